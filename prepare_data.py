@@ -1,0 +1,367 @@
+"""
+Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training.
+
+Usage:
+
+    # the embedded tiny shakespeare corpus -> data/tinyshakespeare/
+    python prepare_data.py
+
+    # local files: .txt (one document per file), .jsonl/.json or .parquet (one document per row)
+    python prepare_data.py --input 'my_books/*.txt' --name books
+    python prepare_data.py --input corpus.jsonl --text-field content --shard-size 1e7
+
+    # a Hugging Face hub dataset, streamed (the first shard becomes the val split)
+    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT
+
+    # big local inputs: a fixed val size skips the extra pass that counts the tokens
+    python prepare_data.py --input 'shards/*.parquet' --val-tokens 1e7
+
+Every document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The
+first tokens of the stream form the val split, the rest the train split; the two never
+share a shard. Shards are named {name}_{split}_{index:06d}.bin with one index counter
+across the splits, val first (the build-nanogpt convention). The file format is llm.c's
+(also read by modded-nanogpt): a header of 256 little-endian int32, [0] = 20240520
+(magic), [1] = 1 (version), [2] = number of tokens, the rest 0; then the tokens as
+little-endian uint16.
+"""
+
+import argparse
+import functools
+import glob
+import hashlib
+import itertools
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from tqdm import tqdm
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# the r50k / gpt2 pre-tokenizer regex, as in tiktoken_ext/openai_public.py
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT_TOKEN = 50256
+TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+MAX_SHARD_TOKENS = 2**31 - 1  # the token count is stored in an int32 header field
+
+# which `datasets` builder reads each file extension, and how
+BUILDERS = {
+    ".txt": ("text", {"sample_by": "document"}),
+    ".jsonl": ("json", {}),
+    ".json": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+
+
+def _error(message):
+    """Exit with a one-line error, argparse style, instead of a traceback."""
+    return SystemExit(f"prepare_data.py: error: {message}")
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_encoding():
+    """GPT-2's tokenizer (tiktoken's "gpt2" encoding), built offline from assets/gpt2.tiktoken.
+
+    Vocabulary of 50257 ids: 50256 BPE ranks plus <|endoftext|> = 50256. Built once per
+    process. Raises RuntimeError if the ranks file's sha256 is not the expected one.
+    """
+    actual = hashlib.sha256(GPT2_RANKS_PATH.read_bytes()).hexdigest()
+    if actual != GPT2_RANKS_SHA256:
+        raise RuntimeError(
+            f"{GPT2_RANKS_PATH} is corrupted: sha256 {actual}, expected {GPT2_RANKS_SHA256}. "
+            f"Restore it from git: git checkout -- assets/gpt2.tiktoken"
+        )
+    # passing the hash stops tiktoken's file cache (keyed by path) from serving a stale copy
+    ranks = load_tiktoken_bpe(str(GPT2_RANKS_PATH), expected_hash=GPT2_RANKS_SHA256)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT_TOKEN},
+        explicit_n_vocab=50257,
+    )
+
+
+def write_shard(path, tokens):
+    """Write tokens to `path` as one llm.c .bin shard, atomically.
+
+    tokens: 1-D array-like of ints in [0, 65535], stored as little-endian uint16 after a
+    header of HEADER_INTS little-endian int32 (magic, version, token count, zeros).
+    The data goes to `path + ".tmp"` first and is renamed into place once on disk, so a
+    killed run never leaves a truncated .bin behind. Raises ValueError for tokens that
+    are not a 1-D integer sequence in uint16 range.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype != np.uint16 and tokens.size:
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi > 65535:
+            raise ValueError(f"tokens must be in [0, 65535] to fit in uint16, got range [{lo}, {hi}]")
+    if len(tokens) > MAX_SHARD_TOKENS:
+        raise ValueError(f"a shard holds at most {MAX_SHARD_TOKENS} tokens, got {len(tokens)}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    tmp_path = f"{path}.tmp"
+    try:
+        with open(tmp_path, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2", copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+
+
+def _tokenize_doc(text):
+    """<|endoftext|> + the document's tokens, as a uint16 array (compact to send between processes)."""
+    return np.array([EOT_TOKEN] + gpt2_encoding().encode_ordinary(text), dtype=np.uint16)
+
+
+def _tokenized(texts, workers):
+    """Yield the token array of each document of `texts`, in input order."""
+    if workers == 1:
+        yield from map(_tokenize_doc, texts)
+        return
+    texts = iter(texts)
+    with multiprocessing.Pool(workers) as pool:
+        # Pool.imap would pull the whole input into its task queue whenever reading is
+        # faster than tokenizing; feeding it bounded batches keeps memory flat.
+        while batch := list(itertools.islice(texts, workers * 256)):
+            yield from pool.imap(_tokenize_doc, batch, chunksize=16)
+
+
+def _texts(sources, field):
+    """Yield the text of every non-empty document of the (name, streaming dataset) sources."""
+    for _, dataset in sources:
+        for row in dataset:
+            # an empty document would add nothing but an <|endoftext|>
+            if row[field]:
+                yield row[field]
+
+
+class _ShardWriter:
+    """Packs token arrays into shards of `shard_size` tokens; one file index across splits."""
+
+    def __init__(self, out_dir, name, shard_size):
+        self.out_dir, self.name = out_dir, name
+        self.buf = np.empty(shard_size, dtype=np.uint16)
+        self.fill = 0
+        self.index = 0
+        self.split = None
+        self.stats = {}  # split -> (shards, tokens)
+
+    def add(self, split, tokens):
+        if split != self.split:
+            self.flush()  # val and train tokens never share a shard
+            self.split = split
+        while len(tokens):
+            n = min(len(self.buf) - self.fill, len(tokens))
+            self.buf[self.fill : self.fill + n] = tokens[:n]
+            self.fill += n
+            tokens = tokens[n:]
+            if self.fill == len(self.buf):
+                self.flush()
+
+    def flush(self):
+        if self.fill == 0:
+            return
+        path = self.out_dir / f"{self.name}_{self.split}_{self.index:06d}.bin"
+        write_shard(path, self.buf[: self.fill])
+        shards, tokens = self.stats.get(self.split, (0, 0))
+        self.stats[self.split] = (shards + 1, tokens + self.fill)
+        self.index += 1
+        self.fill = 0
+
+
+def _token_count(s):
+    """argparse type for token counts: a whole number >= 0, also written like 1e8."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}")
+    if not x.is_integer() or x < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 0, got {s!r}")
+    return int(x)
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Tokenize text with GPT-2's BPE into llm.c .bin token shards.",
+        epilog="With no --input or --dataset, the embedded corpus assets/tinyshakespeare.txt is used.",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
+                        help="local files: .txt (one document per file), .jsonl/.json or .parquet "
+                             "(one document per row); all of one kind")
+    source.add_argument("--dataset", metavar="NAME",
+                        help="Hugging Face hub dataset to stream, e.g. HuggingFaceFW/fineweb-edu")
+    parser.add_argument("--dataset-config", metavar="CONFIG",
+                        help="config of --dataset, e.g. sample-10BT")
+    parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
+    parser.add_argument("--text-field", default="text",
+                        help="column holding the text in json/parquet/hub rows (default: text)")
+    parser.add_argument("--name", help="prefix of the shard names (default: the first file's stem, "
+                                       "the dataset's last path component, or tinyshakespeare)")
+    parser.add_argument("--output-dir", help="default: data/<name>/ next to this script")
+    parser.add_argument("--shard-size", type=_token_count, default=100_000_000,
+                        help="tokens per shard (default: 1e8)")
+    val = parser.add_mutually_exclusive_group()
+    val.add_argument("--val-tokens", type=_token_count,
+                     help="exactly this many tokens, the first ones, go to val; skips the pass that "
+                          "counts the tokens for --val-fraction (worth it for big inputs). Default for "
+                          "--dataset: --shard-size (the first shard is val)")
+    val.add_argument("--val-fraction", type=float, default=0.1,
+                     help="fraction of all tokens, the first ones, that go to val (default: 0.1)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+                        help="tokenizer processes (default: all cores)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the <name>_*.bin shards of an existing output dir")
+    parser.add_argument("--skip-bad-files", action="store_true",
+                        help="skip .txt files that are not valid UTF-8, with a warning, instead of failing")
+    args = parser.parse_args(argv)
+
+    if not args.dataset and (args.dataset_config is not None or args.split != "train"):
+        parser.error("--dataset-config and --split only apply to --dataset")
+    if not 1 <= args.shard_size <= MAX_SHARD_TOKENS:
+        parser.error(f"--shard-size must be in [1, {MAX_SHARD_TOKENS}]")
+    if not 0 <= args.val_fraction < 1:
+        parser.error("--val-fraction must be in [0, 1)")
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    return args
+
+
+def _expand_inputs(patterns):
+    """Sorted matches of each path or glob, and the `datasets` builder for their extension."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise _error(f"no files match {pattern!r}")
+        files += matches
+    extensions = sorted({Path(f).suffix.lower() for f in files})
+    unsupported = [e or "(none)" for e in extensions if e not in BUILDERS]
+    if unsupported:
+        raise _error(f"unsupported file extension {', '.join(unsupported)}; "
+                     f"supported: {', '.join(BUILDERS)}")
+    if len(extensions) > 1:
+        raise _error(f"all --input files must have one extension, got {', '.join(extensions)}")
+    return files, BUILDERS[extensions[0]]
+
+
+def _drop_bad_utf8(files, skip):
+    """The files that are valid UTF-8; the others are skipped with a warning if `skip`, else fatal."""
+    good = []
+    for f in files:
+        try:
+            # the text builder holds a whole file in memory as one document anyway
+            Path(f).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            problem = f"{f} is not valid UTF-8 (first bad byte at offset {e.start})"
+            if not skip:
+                raise _error(f"{problem}; fix it, or pass --skip-bad-files to skip it")
+            print(f"prepare_data.py: warning: skipping {problem}", file=sys.stderr)
+        else:
+            good.append(f)
+    return good
+
+
+def main(argv=None):
+    """Run the pipeline; argv is a list of command-line arguments (default: sys.argv[1:])."""
+    args = _parse_args(argv)
+
+    if args.dataset:
+        name = args.name or args.dataset.rstrip("/").split("/")[-1].lower()
+        what = f"dataset {args.dataset}"
+    else:
+        patterns = args.input or [str(TINYSHAKESPEARE_PATH)]
+        files, (builder, builder_kwargs) = _expand_inputs(patterns)
+        name = args.name or Path(files[0]).stem
+        if builder == "text":
+            files = _drop_bad_utf8(files, args.skip_bad_files)
+        what = " ".join(patterns)
+    out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
+    if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not args.overwrite:
+        raise _error(f"{out_dir} already has .bin files; pass --overwrite to replace its "
+                     f"{name}_*.bin shards, or pick another --output-dir")
+
+    # imported here because it is slow to import and train_gpt2.py only needs gpt2_encoding()
+    from datasets import load_dataset
+
+    if args.dataset:
+        sources = [(args.dataset, load_dataset(args.dataset, args.dataset_config,
+                                               split=args.split, streaming=True))]
+    else:
+        # one dataset per file so that errors can name the file; zero-byte files hold no
+        # documents (and the json and parquet builders crash on them)
+        sources = [(f, load_dataset(builder, data_files=f, split="train", streaming=True, **builder_kwargs))
+                   for f in files if os.path.getsize(f) > 0]
+    for where, dataset in sources:
+        first_row = next(iter(dataset), None)
+        if first_row is not None and args.text_field not in first_row:
+            raise _error(f"no field {args.text_field!r} in {where}; its fields are "
+                         f"{', '.join(first_row)} (choose one with --text-field)")
+
+    val_tokens, total = args.val_tokens, None
+    if val_tokens is None and args.dataset:
+        val_tokens = args.shard_size  # as build-nanogpt does for FineWeb-Edu; no counting pass
+    elif val_tokens is None:
+        total = 0
+        with tqdm(desc="counting tokens", unit="tok", unit_scale=True) as bar:
+            for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+                total += len(tokens)
+                bar.update(len(tokens))
+        if total == 0:
+            raise _error(f"empty input: no documents in {what}")
+        val_tokens = int(total * args.val_fraction)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stale = list(out_dir.glob("*.bin.tmp"))  # left by a killed run
+    if args.overwrite:
+        stale += out_dir.glob(glob.escape(name) + "_*.bin")
+    for path in stale:
+        path.unlink()
+
+    writer = _ShardWriter(out_dir, name, args.shard_size)
+    val_left = val_tokens
+    with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
+        for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+            bar.update(len(tokens))
+            if val_left:
+                head = tokens[:val_left]
+                writer.add("val", head)
+                val_left -= len(head)
+                tokens = tokens[len(head):]
+            if len(tokens):
+                writer.add("train", tokens)
+    if writer.split is None:  # no document came through, so nothing has been written
+        raise _error(f"empty input: no documents in {what}")
+    writer.flush()
+    if "train" not in writer.stats:
+        n = writer.stats["val"][1]
+        raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
+                     f"{val_tokens}); no train shard was written")
+
+    print(f"wrote {writer.index} shard(s) to {out_dir}")
+    for split in ("val", "train"):
+        shards, tokens = writer.stats.get(split, (0, 0))
+        print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Shared helpers: the repo root on sys.path, tiny shards, and launching real training runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prepare_data import write_shard  # noqa: E402
+
+# A GPT small enough that a few steps take seconds on one CPU core.
+TINY = [
+    "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512",
+    "--micro_batch_size=2", "--seq_len=16", "--warmup_steps=2", "--max_lr=1e-2", "--min_lr=1e-3",
+    "--eval_interval=2", "--val_batches=4", "--sample_interval=0", "--checkpoint_interval=0",
+    "--compile=false", "--collective_timeout_s=60",
+]
+
+
+def make_shards(data_dir, n_train=4000, n_val=1000, vocab=512, seed=0, train_shards=2):
+    """Writes random-token val and train shards (the train split over several files); returns the
+    concatenated train stream."""
+    rng = np.random.default_rng(seed)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_shard(data_dir / "tiny_val_000000.bin", rng.integers(0, vocab, n_val))
+    train = rng.integers(0, vocab, n_train)
+    for i, part in enumerate(np.array_split(train, train_shards)):
+        write_shard(data_dir / f"tiny_train_{i + 1:06d}.bin", part)
+    return train
+
+
+@pytest.fixture
+def tiny_data(tmp_path):
+    data_dir = tmp_path / "data"
+    make_shards(data_dir)
+    return data_dir
+
+
+def run_training(args, nproc=None, timeout=300, extra_torchrun=()):
+    """Runs train_gpt2.py as a user would: plain python, or torchrun with `nproc` gloo workers.
+
+    Returns the CompletedProcess; raises with the output if it failed.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc is None:
+        cmd = [sys.executable, str(ROOT / "train_gpt2.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", *extra_torchrun, str(ROOT / "train_gpt2.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_log(out_dir):
+    """The records of {out_dir}/log.jsonl, split into train steps and evals."""
+    records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]

@@ -1,0 +1,297 @@
+"""Tests of prepare_data.py: the offline GPT-2 tokenizer, the .bin shard format and the pipeline."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import prepare_data
+from prepare_data import (
+    EOT_TOKEN,
+    HEADER_INTS,
+    SHARD_MAGIC,
+    SHARD_VERSION,
+    TINYSHAKESPEARE_PATH,
+    gpt2_encoding,
+    main,
+    write_shard,
+)
+
+
+def read_shard(path):
+    """The tokens of a .bin shard, after checking its header."""
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    assert header[0] == SHARD_MAGIC
+    assert header[1] == SHARD_VERSION
+    assert not header[3:].any()
+    tokens = np.fromfile(path, dtype="<u2", offset=HEADER_INTS * 4)
+    assert len(tokens) == header[2]
+    return tokens
+
+
+def names(out_dir):
+    return sorted(p.name for p in out_dir.iterdir())
+
+
+def split_stream(out_dir, split):
+    """All tokens of one split, its shards concatenated in index order."""
+    paths = sorted(out_dir.glob(f"*_{split}_*.bin"))
+    return np.concatenate([read_shard(p) for p in paths]) if paths else np.array([], dtype=np.uint16)
+
+
+def run(*args):
+    main([str(a) for a in args])
+
+
+def doc_tokens(*texts):
+    """The expected token stream: each document preceded by <|endoftext|>."""
+    enc = gpt2_encoding()
+    return [t for text in texts for t in [EOT_TOKEN] + enc.encode_ordinary(text)]
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("text, ids", [
+    ("Hello, I'm a language model,", [15496, 11, 314, 1101, 257, 3303, 2746, 11]),
+    ("Hello world", [15496, 995]),
+    (" the", [262]),
+])
+def test_known_gpt2_token_ids(text, ids):
+    assert gpt2_encoding().encode_ordinary(text) == ids
+
+
+def test_encoding_vocab_and_decode_round_trip():
+    enc = gpt2_encoding()
+    assert enc.n_vocab == 50257
+    assert enc.eot_token == EOT_TOKEN == 50256
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé ✓ 日本語  \n\n"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    assert gpt2_encoding() is enc  # cached
+
+
+def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
+    data = bytearray(prepare_data.GPT2_RANKS_PATH.read_bytes())
+    data[100] ^= 1
+    tampered = tmp_path / "gpt2.tiktoken"
+    tampered.write_bytes(data)
+    monkeypatch.setattr(prepare_data, "GPT2_RANKS_PATH", tampered)
+    gpt2_encoding.cache_clear()
+    try:
+        with pytest.raises(RuntimeError) as exc:
+            gpt2_encoding()
+    finally:
+        gpt2_encoding.cache_clear()
+    message = str(exc.value)
+    assert str(tampered) in message
+    assert prepare_data.GPT2_RANKS_SHA256 in message
+    assert "git" in message
+
+
+# ---------------------------------------------------------------------------- shard format
+
+
+def test_write_shard_round_trip(tmp_path):
+    path = tmp_path / "x.bin"
+    tokens = [0, 1, 50256, 65535, 262]
+    write_shard(path, tokens)
+    assert names(tmp_path) == ["x.bin"]  # no temp file left behind
+    assert path.stat().st_size == HEADER_INTS * 4 + 2 * len(tokens)
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    assert header[:3].tolist() == [20240520, 1, len(tokens)]
+    assert read_shard(path).tolist() == tokens
+
+
+@pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]]])
+def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
+    with pytest.raises(ValueError):
+        write_shard(tmp_path / "x.bin", tokens)
+    assert names(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- the embedded corpus
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("tinyshakespeare")
+    run("--output-dir", out_dir, "--workers", 1)
+    return out_dir
+
+
+def test_default_run_on_embedded_corpus(default_run):
+    assert names(default_run) == ["tinyshakespeare_train_000001.bin", "tinyshakespeare_val_000000.bin"]
+    val, train = split_stream(default_run, "val"), split_stream(default_run, "train")
+    expected = doc_tokens(TINYSHAKESPEARE_PATH.read_text(encoding="utf-8"))
+    assert 300_000 < len(expected) < 400_000
+    assert len(val) == int(0.1 * len(expected))
+    assert val[0] == EOT_TOKEN
+    assert np.concatenate([val, train]).tolist() == expected
+
+
+def test_same_input_gives_identical_bytes(default_run, tmp_path):
+    run("--output-dir", tmp_path, "--workers", 2)
+    assert names(tmp_path) == names(default_run)
+    for name in names(tmp_path):
+        assert (tmp_path / name).read_bytes() == (default_run / name).read_bytes()
+
+
+# ---------------------------------------------------------------------------- local inputs
+
+
+def test_txt_files_are_one_document_each(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world")
+    (tmp_path / "b.txt").write_text(" the")
+    out_dir = tmp_path / "out"
+    run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--val-tokens", 1, "--workers", 1)
+    # the default name is the stem of the first file
+    assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
+    assert split_stream(out_dir, "val").tolist() == [EOT_TOKEN]
+    assert split_stream(out_dir, "train").tolist() == [15496, 995, EOT_TOKEN, 262]
+
+
+def write_rows(path, rows):
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_rows_are_documents_with_text_field(tmp_path, ext):
+    texts = [f"Row number {i} says hello, world." for i in range(50)] + ["", "last one"]
+    write_rows(tmp_path / f"rows{ext}", [{"id": i, "content": t} for i, t in enumerate(texts)])
+    out_dir = tmp_path / "out"
+    run("--input", tmp_path / f"rows{ext}", "--text-field", "content", "--name", "mine",
+        "--output-dir", out_dir, "--workers", 2)
+    expected = doc_tokens(*[t for t in texts if t])  # empty documents are dropped
+    val, train = split_stream(out_dir, "val"), split_stream(out_dir, "train")
+    assert names(out_dir) == ["mine_train_000001.bin", "mine_val_000000.bin"]
+    assert len(val) == int(0.1 * len(expected))
+    assert np.concatenate([val, train]).tolist() == expected
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_missing_text_field_is_an_error(tmp_path, ext):
+    path = tmp_path / f"rows{ext}"
+    write_rows(path, [{"body": "hello", "id": 1}])
+    with pytest.raises(SystemExit) as exc:
+        run("--input", path, "--output-dir", tmp_path / "out", "--workers", 1)
+    message = str(exc.value)
+    assert "'text'" in message and str(path) in message and "body" in message and "id" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_small_shards_and_multiple_workers_are_deterministic(tmp_path):
+    text = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8")[:20_000]
+    paragraphs = text.split("\n\n")
+    write_rows(tmp_path / "p.jsonl", [{"text": p} for p in paragraphs])
+    expected = doc_tokens(*paragraphs)
+    dirs = []
+    for workers in (1, 2):
+        out_dir = tmp_path / f"out{workers}"
+        run("--input", tmp_path / "p.jsonl", "--output-dir", out_dir, "--shard-size", "1e3",
+            "--val-tokens", 1500, "--workers", workers)
+        dirs.append(out_dir)
+    n_train = -(-(len(expected) - 1500) // 1000)
+    in_order = ["p_val_000000.bin", "p_val_000001.bin"]
+    in_order += [f"p_train_{i:06d}.bin" for i in range(2, 2 + n_train)]
+    assert names(dirs[0]) == sorted(in_order)
+    lengths = [len(read_shard(dirs[0] / n)) for n in in_order]
+    assert lengths[:2] == [1000, 500]
+    assert all(n == 1000 for n in lengths[2:-1]) and 0 < lengths[-1] <= 1000
+    assert split_stream(dirs[0], "val").tolist() == expected[:1500]
+    assert split_stream(dirs[0], "train").tolist() == expected[1500:]
+    for name in names(dirs[0]):
+        assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes()
+
+
+def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
+    """No network here: stand a local jsonl in for the hub and check the --dataset specifics."""
+    import datasets
+
+    real_load_dataset = datasets.load_dataset
+    texts = [f"document {i} of the fake hub dataset" for i in range(40)]
+    write_rows(tmp_path / "hub.jsonl", [{"text": t} for t in texts])
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, name, kwargs))
+        return real_load_dataset("json", data_files=str(tmp_path / "hub.jsonl"), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    out_dir = tmp_path / "out"
+    run("--dataset", "HuggingFaceFW/FineWeb-Edu", "--dataset-config", "sample-10BT", "--split", "train",
+        "--shard-size", 100, "--output-dir", out_dir, "--workers", 1)
+    assert calls == [("HuggingFaceFW/FineWeb-Edu", "sample-10BT", {"split": "train", "streaming": True})]
+    expected = doc_tokens(*texts)
+    # no counting pass for a hub dataset: the first shard is val
+    n_train = -(-(len(expected) - 100) // 100)
+    assert names(out_dir) == sorted(["fineweb-edu_val_000000.bin"] +
+                                    [f"fineweb-edu_train_{i:06d}.bin" for i in range(1, 1 + n_train)])
+    assert split_stream(out_dir, "val").tolist() == expected[:100]
+    assert split_stream(out_dir, "train").tolist() == expected[100:]
+
+
+@pytest.mark.parametrize("value", ["1.5", "-3", "abc", "0"])
+def test_bad_shard_size_is_rejected(tmp_path, value):
+    with pytest.raises(SystemExit):
+        run("--shard-size", value, "--output-dir", tmp_path)
+    assert names(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- safety and errors
+
+
+def test_existing_output_dir_needs_overwrite(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "out"
+    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2]
+    run(*common, "--shard-size", 2)
+    assert len(names(out_dir)) > 3
+    with pytest.raises(SystemExit) as exc:
+        run(*common)
+    assert "--overwrite" in str(exc.value)
+    (out_dir / "a_train_000009.bin.tmp").write_bytes(b"left by a killed run")
+    run(*common, "--overwrite")
+    assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
+
+
+def test_empty_input_is_an_error(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val-tokens", 0])]:
+        with pytest.raises(SystemExit) as exc:
+            run("--input", tmp_path / path, "--output-dir", tmp_path / "out", "--workers", 1, *extra)
+        assert "empty input" in str(exc.value)
+        assert not list(tmp_path.glob("out/*"))
+
+
+def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.jsonl").write_text('{"text": "b"}\n')
+    (tmp_path / "c.csv").write_text("text\nc\n")
+    for inputs, needle in [([tmp_path / "nope*.txt"], "nope*.txt"),
+                           ([tmp_path / "a.txt", tmp_path / "b.jsonl"], "one extension"),
+                           ([tmp_path / "c.csv"], ".csv")]:
+        with pytest.raises(SystemExit) as exc:
+            run("--input", *inputs, "--output-dir", tmp_path / "out")
+        assert needle in str(exc.value)
+
+
+def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
+    (tmp_path / "bad.txt").write_bytes(b"Hello \xff world")
+    (tmp_path / "good.txt").write_text("Hello world")
+    out_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--workers", 1)
+    assert str(tmp_path / "bad.txt") in str(exc.value) and "offset 6" in str(exc.value)
+    assert not out_dir.exists()
+
+    run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 1,
+        "--skip-bad-files")
+    assert "skipping" in capsys.readouterr().err
+    assert names(out_dir) == ["bad_train_000001.bin", "bad_val_000000.bin"]
+    assert split_stream(out_dir, "train").tolist() == [15496, 995]

@@ -1,0 +1,207 @@
+"""Config parsing, the model's shape and names, the loader, and DDP against one process."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.run import get_args_parser
+
+import train_gpt2
+from conftest import ROOT, TINY, make_shards, read_log, run_training
+from prepare_data import write_shard
+from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_overrides_cast_to_field_types(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('n_layer = 3\nmax_lr = 1\ncompile = false\ndata_dir = "d"\n')
+    config = load_config([str(toml), "--max_steps=1e4", "--max_lr=3e-4", "--compile=true"])
+    assert config.max_steps == 10000 and isinstance(config.max_steps, int)
+    assert config.max_lr == 3e-4 and config.compile is True
+    assert config.n_layer == 3 and config.data_dir == "d"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_step=10"], "did you mean 'max_steps'"),
+    (["--micro_batchsize=8"], "did you mean 'micro_batch_size'"),
+    (["--max_steps=1.5"], "cannot read '1.5' as int"),
+    (["--compile=maybe"], "cannot read 'maybe' as bool"),
+    (["--max_steps", "10"], "write overrides as --key=value"),
+    (["no_such_config.toml"], "config file no_such_config.toml not found"),
+    (["--resume=sometimes"], "'auto' or 'never'"),
+])
+def test_config_errors_say_what_to_fix(argv, message):
+    with pytest.raises(UserError, match=message):
+        load_config(argv)
+
+
+def test_unknown_key_in_toml_is_refused(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("n_layers = 3\n")
+    with pytest.raises(UserError, match="unknown config key 'n_layers'; did you mean 'n_layer'"):
+        load_config([str(toml)])
+
+
+def test_every_config_key_passes_through_torchrun():
+    """torchrun rejects script flags that are its own or ambiguous prefixes of its own."""
+    parser = get_args_parser()
+    for field in Config.__dataclass_fields__:
+        arg = f"--{field}=1"
+        args = parser.parse_args(["--standalone", "train_gpt2.py", arg])
+        assert args.training_script_args == [arg], field
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        load_config([str(path)])
+
+
+def test_batch_size_that_does_not_divide_fails_before_training(tiny_data, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train_gpt2.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}/o",
+         "--total_batch_size=100"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1
+    assert "total_batch_size=100 is not divisible by micro_batch_size * seq_len * world_size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --- model --------------------------------------------------------------------------------------
+
+def test_gpt2_124m_parameter_count_and_names():
+    with torch.device("meta"):
+        model = GPT(Config())
+    n_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
+    assert n_params == 124_475_904  # GPT-2's 124,439,808 plus the 47 padding rows of wte
+    names = set(model.state_dict())
+    for name in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.11.ln_1.weight",
+                 "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias",
+                 "transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight",
+                 "transformer.h.0.mlp.c_proj.bias", "transformer.ln_f.bias", "lm_head.weight"]:
+        assert name in names
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(Config(n_layer=8, n_embd=256, n_head=4, vocab_size=1024, block_size=64))
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+    assert abs(model.transformer.h[0].mlp.c_proj.weight.std().item() - 0.02 / 4) < 2e-4
+
+
+def test_initial_loss_is_log_vocab():
+    torch.manual_seed(0)
+    model = GPT(Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1024, block_size=32))
+    x, y = torch.randint(0, 1024, (2, 4, 32))
+    _, loss = model(x, y)
+    assert abs(loss.item() - np.log(1024)) < 0.1
+
+
+# --- data loader --------------------------------------------------------------------------------
+
+def loader(data_dir, rank=0, world_size=1, B=2, T=16, split="train"):
+    return DataLoader(data_dir, split, B, T, rank, world_size, torch.device("cpu"))
+
+
+def test_loader_crosses_shard_boundaries_and_wraps(tmp_path):
+    stream = make_shards(tmp_path, n_train=100, train_shards=3)  # shards of 34, 33, 33 tokens
+    dl = loader(tmp_path, B=1, T=16)
+    assert dl.batches_per_epoch == (100 - 1) // 16
+    for g in range(dl.batches_per_epoch):
+        x, y = dl.next_batch()
+        assert x.dtype == torch.int64 and x.shape == (1, 16)
+        assert x.flatten().tolist() == stream[g * 16:g * 16 + 16].tolist()
+        assert y.flatten().tolist() == stream[g * 16 + 1:g * 16 + 17].tolist()
+    x, _ = dl.next_batch()  # a new epoch starts from the first token
+    assert x.flatten().tolist() == stream[:16].tolist()
+
+
+def test_loader_world_sizes_1_and_2_deliver_the_same_micro_batches(tmp_path):
+    make_shards(tmp_path, n_train=3000)
+    single = loader(tmp_path)
+    ranks = [loader(tmp_path, rank=r, world_size=2) for r in range(2)]
+    for _ in range(20):  # one step of 4 micro-batches: 4 calls on one process, 2 on each rank
+        for r in range(2):
+            x1, y1 = single.next_batch()
+            x2, y2 = ranks[r].next_batch()
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert single.state_dict() == ranks[0].state_dict() == ranks[1].state_dict()
+
+
+def test_loader_state_dict_resumes_position(tmp_path):
+    make_shards(tmp_path)
+    a = loader(tmp_path)
+    for _ in range(5):
+        a.next_batch()
+    b = loader(tmp_path)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(UserError, match="keep micro_batch_size\\*seq_len"):
+        loader(tmp_path, B=4).load_state_dict(a.state_dict())
+
+
+def corrupt_empty(path):
+    path.write_bytes(b"")
+
+
+def corrupt_truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+
+
+def corrupt_magic(path):
+    data = bytearray(path.read_bytes())
+    data[0:4] = np.int32(12345).tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (corrupt_empty, "is truncated or empty \\(0 bytes\\)"),
+    (corrupt_truncate, "holds 495 tokens but its header says 500"),
+    (corrupt_magic, "bad header \\(magic 12345"),
+])
+def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
+    make_shards(tmp_path, n_train=1000)
+    bad = tmp_path / "tiny_train_000001.bin"
+    corrupt(bad)
+    with pytest.raises(UserError, match=message) as info:
+        loader(tmp_path)
+    assert str(bad) in str(info.value) and "python prepare_data.py" in str(info.value)
+
+
+def test_missing_shards_name_the_command_that_makes_them(tmp_path):
+    with pytest.raises(UserError, match="no train shards .* `python prepare_data.py`"):
+        loader(tmp_path / "nowhere")
+    write_shard(tmp_path / "x_train_000001.bin", np.arange(100))
+    loader(tmp_path)
+    with pytest.raises(UserError, match="no val shards"):
+        loader(tmp_path, split="val")
+
+
+# --- training runs ------------------------------------------------------------------------------
+
+def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
+    """2 gloo ranks x 2 micro-steps train the same model as 1 process x 4 micro-steps.
+
+    Tolerance: float32 with different summation order; measured differences are ~1e-7 relative.
+    The test model has no biases: the key bias of c_attn has a gradient that is 0 in exact
+    arithmetic, and AdamW scales its float noise up to +-lr (see PITFALLS), which would make the
+    parameter comparison measure noise rather than the DDP logic.
+    """
+    common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=6",
+              "--bias=false"]
+    run_training([*common, f"--out_dir={tmp_path}/one"])
+    run_training([*common, f"--out_dir={tmp_path}/two"], nproc=2)
+    (steps1, evals1), (steps2, evals2) = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(6))
+    np.testing.assert_allclose([s["loss"] for s in steps2], [s["loss"] for s in steps1], rtol=1e-5)
+    np.testing.assert_allclose([e["val_loss"] for e in evals2], [e["val_loss"] for e in evals1],
+                               rtol=1e-5)
+    assert steps1[-1]["loss"] < steps1[0]["loss"]  # it trained
+    m1 = torch.load(tmp_path / "one" / "ckpt_0000006.pt", weights_only=True)["model"]
+    m2 = torch.load(tmp_path / "two" / "ckpt_0000006.pt", weights_only=True)["model"]
+    for name in m1:
+        torch.testing.assert_close(m2[name], m1[name], rtol=1e-4, atol=1e-5, msg=name)

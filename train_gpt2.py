@@ -1,0 +1,582 @@
+"""
+Train GPT-2 with data parallelism, in one file: config, model, data, distributed setup,
+optimizer and schedule, training loop, teardown.
+
+One process (GPU, Apple MPS or CPU):
+    python train_gpt2.py configs/shakespeare_cpu.toml
+Two CPU processes (DDP over gloo), the quickstart:
+    torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml
+GPT-2 124M on 8 GPUs (DDP over NCCL); the defaults are this run:
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml
+Two nodes of 8 GPUs each, run on both nodes:
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        --rdzv-id=gpt2 train_gpt2.py configs/gpt2_124m.toml
+Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
+
+The promise: a run on N processes is the run on one. The global batch is split into micro-batches
+numbered across ranks, micro-batch m of a step goes to rank m % world_size, and dropout draws from
+a random state derived from (seed, step, m) alone. So world size changes only the float rounding.
+"""
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import tomllib
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from prepare_data import gpt2_encoding  # GPT-2's tokenizer, built offline from assets/, for samples
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+class UserError(Exception):
+    """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
+
+
+@dataclass
+class Config:
+    """Every knob of a run. Defaults reproduce GPT-2 124M as in karpathy/build-nanogpt."""
+
+    # data and output
+    data_dir: str = "data/fineweb-edu"  # shards made by prepare_data.py
+    out_dir: str = "out"  # log.jsonl and checkpoints
+    # model (GPT-2 124M)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024  # longest sequence the position embedding covers
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for faster kernels
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has
+    # batch: one optimizer step sees total_batch_size tokens
+    micro_batch_size: int = 64  # B, sequences per forward per process
+    seq_len: int = 1024  # T
+    total_batch_size: int = 524288  # tokens per optimizer step, 2**19 ~ 0.5M as in GPT-3 small
+    # optimizer and schedule (AdamW, linear warmup, cosine decay)
+    max_steps: int = 19073  # 10B tokens / 524288 tokens per step
+    max_lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 715
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # evaluation, sampling, checkpoints (every N steps; 0 turns it off, the last step always counts)
+    eval_interval: int = 250
+    val_batches: int = 160  # micro-batches of val data per eval, split over ranks (10M tokens)
+    sample_interval: int = 250
+    sample_prompt: str = "Hello, I'm a language model,"
+    sample_tokens: int = 32
+    checkpoint_interval: int = 5000
+    resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
+    # system
+    seed: int = 1337
+    device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
+    compile: bool = True
+    collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
+
+
+def cast_value(key, raw, typ):
+    """Casts a TOML or command-line value to a config field's type. `--max_steps=1e4` gives 10000.
+
+    Raises UserError naming the key, the value and the expected type.
+    """
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "1", "yes"):
+                return True
+            if str(raw).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if typ is int:
+            value = float(raw)
+            if value != int(value):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
+
+
+def load_config(argv):
+    """Builds a Config from `[CONFIG.toml] [--key=value ...]`: the file first, then the overrides.
+
+    Raises UserError for an unknown key (naming the closest valid one), a value of the wrong type,
+    a malformed argument, or a missing config file.
+    """
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    values = {}
+    if argv and not argv[0].startswith("--"):
+        path = Path(argv[0])
+        if not path.is_file():
+            raise UserError(f"config file {path} not found (see configs/ for examples)")
+        with open(path, "rb") as f:
+            values.update(tomllib.load(f))
+        argv = argv[1:]
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
+        key, raw = arg[2:].split("=", 1)
+        values[key] = raw
+    kwargs = {}
+    for key, raw in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"unknown config key {key!r}{hint}")
+        kwargs[key] = cast_value(key, raw, fields[key])
+    config = Config(**kwargs)
+    if config.resume not in ("auto", "never"):
+        raise UserError(f"config key 'resume' must be 'auto' or 'never', got {config.resume!r}")
+    if config.seq_len > config.block_size:
+        raise UserError(f"seq_len={config.seq_len} exceeds block_size={config.block_size}")
+    if config.n_embd % config.n_head:
+        raise UserError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+    return config
+
+
+# -----------------------------------------------------------------------------
+# Model: GPT-2, with the module names of the released checkpoint
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.SCALE_INIT = 1
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # flash
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.SCALE_INIT = 1
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2 (Radford et al. 2019): pre-LayerNorm transformer, learned positions, tied wte/lm_head.
+
+    Parameter names match Hugging Face's `gpt2` checkpoint (`transformer.h.0.attn.c_attn.weight`...),
+    whose Conv1D weights are the transpose of these Linear weights. Init as GPT-2: normal(0, 0.02),
+    residual projections (c_proj) scaled by 1/sqrt(2 * n_layer), biases zero.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if hasattr(module, "SCALE_INIT"):
+                std *= (2 * self.config.n_layer) ** -0.5  # the residual stream sums 2 per block
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        """idx, targets: (B, T) int64 token ids. Returns logits (B, T, vocab_size), loss (mean CE)."""
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, generator, top_k=50):
+        """Samples max_new_tokens after idx (B, T) with top-k sampling; returns (B, T + new)."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            probs = F.softmax(logits[:, -1, :].float(), dim=-1)  # (B, vocab_size)
+            topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)  # (B, top_k)
+            choice = torch.multinomial(topk_probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
+        return idx
+
+
+# -----------------------------------------------------------------------------
+# Data: memory-mapped token shards, micro-batches numbered globally across ranks
+
+SHARD_MAGIC = 20240520  # llm.c / modded-nanogpt .bin: 256 int32 header, then uint16 tokens
+HEADER_INTS = 256
+
+
+def read_shard_header(path):
+    """Returns the token count of a .bin shard after checking its header and file size.
+
+    Raises UserError naming the file and the command that remakes it.
+    """
+    fix = "remake the shards with `python prepare_data.py --overwrite` (see README)"
+    size = os.path.getsize(path)
+    if size < HEADER_INTS * 4:
+        raise UserError(f"shard {path} is truncated or empty ({size} bytes); {fix}")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC or header[1] != 1:
+        raise UserError(f"shard {path} has a bad header (magic {header[0]}, version {header[1]}, "
+                         f"expected {SHARD_MAGIC}, 1): not a token shard; {fix}")
+    n_tokens = int(header[2])
+    if size != HEADER_INTS * 4 + 2 * n_tokens:
+        raise UserError(f"shard {path} holds {(size - HEADER_INTS * 4) // 2} tokens but its header "
+                         f"says {n_tokens}: truncated or corrupt; {fix}")
+    return n_tokens
+
+
+class DataLoader:
+    """Yields (x, y) micro-batches of shape (B, T), int64, on `device`, from one split's shards.
+
+    The shards of a split, in name order, form one token stream (no token is lost at a shard
+    boundary). Global micro-batch g covers tokens [g*B*T, g*B*T + B*T + 1) of the stream, wrapping
+    at the end of an epoch. Each call to next_batch advances every rank by world_size micro-batches
+    and rank r gets micro-batch g + r, so the data each step sees does not depend on world_size.
+    Shards are memory-mapped anew per batch, so host memory stays flat (nanoGPT #287).
+    """
+
+    def __init__(self, data_dir, split, B, T, rank, world_size, device):
+        self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
+        self.paths = sorted(Path(data_dir).glob(f"*_{split}_*.bin"))
+        if not self.paths:
+            raise UserError(
+                f"no {split} shards (*_{split}_*.bin) in {data_dir}; make them with "
+                f"`python prepare_data.py` (the embedded corpus) or see README for other data")
+        sizes = [read_shard_header(p) for p in self.paths]
+        self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
+        self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
+        if self.batches_per_epoch == 0:
+            raise UserError(f"{split} split in {data_dir} has {self.starts[-1]} tokens, fewer than "
+                             f"one micro-batch of B*T+1 = {B * T + 1}; lower micro_batch_size or seq_len")
+        self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
+
+    def read(self, start, n):
+        """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64."""
+        out = []
+        while n > 0:
+            i = int(np.searchsorted(self.starts, start, side="right")) - 1
+            offset = start - int(self.starts[i])
+            take = min(n, int(self.starts[i + 1]) - start)
+            shard = np.memmap(self.paths[i], dtype="<u2", mode="r", offset=HEADER_INTS * 4)
+            out.append(np.array(shard[offset:offset + take], dtype=np.int64))
+            start, n = start + take, n - take
+        return np.concatenate(out)
+
+    def next_batch(self):
+        """This rank's next micro-batch: global micro-batch batch_index + rank."""
+        x, y = self.get_batch(self.batch_index + self.rank)
+        self.batch_index += self.world_size
+        return x, y
+
+    def get_batch(self, g):
+        """Global micro-batch g (wrapping at the end of the epoch) as (x, y)."""
+        g %= self.batches_per_epoch
+        buf = torch.from_numpy(self.read(g * self.B * self.T, self.B * self.T + 1))
+        x = buf[:-1].view(self.B, self.T)
+        y = buf[1:].view(self.B, self.T)
+        if self.device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
+                self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self):
+        return {"batch_index": self.batch_index, "tokens_per_batch": self.B * self.T}
+
+    def load_state_dict(self, state):
+        if state["tokens_per_batch"] != self.B * self.T:
+            raise UserError(f"checkpoint's loader used micro-batches of {state['tokens_per_batch']} "
+                             f"tokens, this run {self.B * self.T}: keep micro_batch_size*seq_len")
+        self.batch_index = state["batch_index"]
+
+
+def derived_seed(*parts):
+    """A 63-bit seed that depends on `parts` alone (e.g. seed, step, micro-batch)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# -----------------------------------------------------------------------------
+# Distributed setup: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; plain python runs one process
+
+
+def main(argv):
+    config = load_config(argv)
+    ddp = "RANK" in os.environ
+    if ddp:
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+    else:
+        rank, local_rank, world_size = 0, 0, 1
+    master_process = rank == 0  # alone prints, logs, samples and saves
+    if config.device == "auto":
+        if torch.cuda.is_available():
+            device = f"cuda:{local_rank}"
+        elif torch.backends.mps.is_available() and not ddp:
+            device = "mps"
+        else:
+            device = "cpu"
+    else:
+        device = config.device
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if ddp:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        train(config, rank, local_rank, world_size, master_process, device, ddp)
+    finally:
+        if ddp:
+            dist.destroy_process_group()
+
+
+def train(config, rank, local_rank, world_size, master_process, device, ddp):
+    def log(*args):
+        if master_process:
+            print(*args, flush=True)
+
+    B, T = config.micro_batch_size, config.seq_len
+    tokens_per_micro_step = B * T * world_size
+    if config.total_batch_size % tokens_per_micro_step:
+        raise UserError(
+            f"total_batch_size={config.total_batch_size} is not divisible by micro_batch_size * "
+            f"seq_len * world_size = {B}*{T}*{world_size} = {tokens_per_micro_step}; change "
+            f"total_batch_size or micro_batch_size")
+    grad_accum_steps = config.total_batch_size // tokens_per_micro_step
+    log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
+        f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
+
+    train_loader = DataLoader(config.data_dir, "train", B, T, rank, world_size, device)
+    val_loader = DataLoader(config.data_dir, "val", B, T, rank, world_size, device)
+
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
+    autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else nullcontext())
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    raw_model = GPT(config).to(device)
+    model = raw_model
+    if config.compile:
+        if config.dropout > 0:
+            # compiled dropout draws other masks than eager unless it falls back to eager RNG
+            torch._inductor.config.fallback_random = True
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+
+    # Optimizer: AdamW, weight decay on matmul and embedding weights (2-D), not biases or norms
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.max_lr, betas=(config.beta1, config.beta2),
+                                  eps=1e-8, fused=device.type == "cuda")
+
+    def get_lr(step):
+        """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (GPT-3 paper, B.1)."""
+        if step < config.warmup_steps:
+            return config.max_lr * (step + 1) / config.warmup_steps
+        if step >= config.max_steps:
+            return config.min_lr
+        ratio = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+        return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.max_lr - config.min_lr)
+
+    # Resume: the latest checkpoint in out_dir holds model, optimizer, step and loader position
+    out_dir = Path(config.out_dir)
+    start_step = 0
+    checkpoints = sorted(out_dir.glob("ckpt_*.pt"))
+    if config.resume == "auto" and checkpoints:
+        ckpt = torch.load(checkpoints[-1], map_location=device, weights_only=True)
+        model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+        diff = {k: (ckpt["config"][k], getattr(config, k)) for k in model_keys
+                if ckpt["config"][k] != getattr(config, k)}
+        if diff:
+            raise UserError(f"checkpoint {checkpoints[-1]} is of another model, (checkpoint, run): "
+                             f"{diff}; use another out_dir or resume=never")
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        train_loader.load_state_dict(ckpt["loader"])
+        start_step = ckpt["step"]
+        log(f"resumed from {checkpoints[-1]} at step {start_step}")
+    if master_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if start_step == 0:
+            (out_dir / "log.jsonl").unlink(missing_ok=True)
+
+    def log_json(record):
+        with open(out_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(step):
+        """Writes {out_dir}/ckpt_{step}.pt atomically: a killed save leaves the last one intact."""
+        path = out_dir / f"ckpt_{step:07d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "config": dataclasses.asdict(config), "step": step,
+                    "loader": train_loader.state_dict()}, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        log(f"saved {path}")
+
+    def evaluate():
+        """Mean loss over the first val_batches micro-batches of the val split, whatever world_size."""
+        raw_model.eval()
+        total = torch.zeros(2, device=device)  # sum of losses, number of batches
+        with torch.no_grad():
+            for g in range(rank, config.val_batches, world_size):
+                x, y = val_loader.get_batch(g)
+                with autocast:
+                    _, loss = raw_model(x, y)
+                total += torch.stack([loss.float(), torch.ones((), device=device)])
+        if ddp:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        raw_model.train()
+        return (total[0] / total[1]).item()
+
+    def sample(step):
+        enc = gpt2_encoding()
+        raw_model.eval()
+        idx = torch.tensor([enc.encode_ordinary(config.sample_prompt)], device=device)
+        generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
+        out = raw_model.generate(idx, config.sample_tokens, generator)
+        raw_model.train()
+        log(f"sample at step {step}: {enc.decode(out[0].tolist())!r}")
+
+    def every(interval, step):
+        return interval > 0 and (step % interval == 0 or step == config.max_steps - 1)
+
+    # -------------------------------------------------------------------------
+    # Training loop
+    for step in range(start_step, config.max_steps):
+        if every(config.eval_interval, step):
+            val_loss = evaluate()
+            log(f"step {step:5d} | val loss {val_loss:.4f}")
+            if master_process:
+                log_json({"step": step, "val_loss": val_loss})
+        if master_process and every(config.sample_interval, step) and step > 0:
+            sample(step)
+
+        t0 = time.time()
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum_steps):
+            x, y = train_loader.next_batch()
+            if ddp:
+                # DDP reads this flag in forward as well as backward, so set it before the
+                # forward: all-reduce the gradients only on the last micro-step (build-nanogpt #30)
+                model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+            m = micro_step * world_size + rank  # this micro-batch's number within the step
+            # dropout masks depend on (seed, step, m) alone, so on no world size (PITFALLS.md)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(derived_seed(config.seed, step, m))
+                with autocast:
+                    _, loss = model(x, y)
+                # the loss is a mean over the step's micro-batches, so gradients sum to the mean
+                loss = loss / grad_accum_steps
+                loss.backward()
+            loss_accum += loss.detach()
+        if ddp:
+            dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            loss_accum /= world_size
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
+        lr = get_lr(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        loss_value = loss_accum.item()  # the first host sync of the step
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        tokens_per_sec = config.total_batch_size / dt
+        norm = norm.item()
+        log(f"step {step:5d} | loss: {loss_value:.6f} | lr {lr:.4e} | norm: {norm:.4f} | "
+            f"dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}")
+        if master_process:
+            log_json({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm,
+                      "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec})
+            last_step = step + 1 == config.max_steps
+            if last_step or (config.checkpoint_interval > 0
+                             and (step + 1) % config.checkpoint_interval == 0):
+                save_checkpoint(step + 1)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"train_gpt2.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

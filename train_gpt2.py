@@ -572,6 +572,8 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
             if last_step or (config.checkpoint_interval > 0
                              and (step + 1) % config.checkpoint_interval == 0):
                 save_checkpoint(step + 1)
+    if ddp:
+        dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
 
 
 if __name__ == "__main__":

@@ -23,14 +23,20 @@ TINY = [
 ]
 
 
+def markov_tokens(rng, n, vocab):
+    """A learnable stream over the first vocab // 8 ids: each token is the previous one plus 0..3,
+    so a model's loss falls fast from ln(vocab) (unigram) and then towards ln(4) (bigram)."""
+    return np.cumsum(rng.integers(0, 4, n)) % (vocab // 8)
+
+
 def make_shards(data_dir, n_train=4000, n_val=1000, vocab=512, seed=0, train_shards=2):
-    """Writes random-token val and train shards (the train split over several files); returns the
-    concatenated train stream."""
+    """Writes val and train shards (the train split over several files) of a learnable token
+    stream; returns the concatenated train stream."""
     rng = np.random.default_rng(seed)
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    write_shard(data_dir / "tiny_val_000000.bin", rng.integers(0, vocab, n_val))
-    train = rng.integers(0, vocab, n_train)
+    write_shard(data_dir / "tiny_val_000000.bin", markov_tokens(rng, n_val, vocab))
+    train = markov_tokens(rng, n_train, vocab)
     for i, part in enumerate(np.array_split(train, train_shards)):
         write_shard(data_dir / f"tiny_train_{i + 1:06d}.bin", part)
     return train

@@ -1,0 +1,88 @@
+"""
+Checks the single-device promise on your machine: trains one config at several world sizes and
+prints how far each run's per-step losses and final weights are from the one-process run.
+
+    python scripts/check_equivalence.py configs/shakespeare_cpu.toml --max_steps=20
+    python scripts/check_equivalence.py configs/gpt2_124m.toml --world-sizes 1 8 --max_steps=50
+
+Arguments other than --world-sizes and --out-dir go to train_gpt2.py. The config's
+total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
+World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalone
+--nproc_per_node=N train_gpt2.py`, all with resume=never.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train(world_size, train_args, out_dir):
+    """Runs train_gpt2.py at `world_size` into out_dir; returns (train records, eval records,
+    final model state dict). Raises RuntimeError with the run's output if it fails."""
+    script = str(ROOT / "train_gpt2.py")
+    if world_size == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world_size}", script]
+    cmd += [*train_args, f"--out_dir={out_dir}", "--resume=never"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
+    checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
+    model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r], model)
+
+
+def compare(train_args, world_sizes, out_root):
+    """Trains at each world size; returns {world_size: {"loss", "val_loss", "max_param_diff"}},
+    the losses as lists per step and the largest absolute weight difference to world size 1."""
+    runs = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
+    ref_model = runs[world_sizes[0]][2]
+    results = {}
+    for n, (steps, evals, model) in runs.items():
+        results[n] = {
+            "loss": [r["loss"] for r in steps],
+            "val_loss": [r["val_loss"] for r in evals],
+            "max_param_diff": max((model[k].float() - ref_model[k].float()).abs().max().item()
+                                  for k in ref_model),
+        }
+    return results
+
+
+def print_table(results):
+    sizes = list(results)
+    ref = results[sizes[0]]
+    print(f"{'step':>5} | {f'loss (world size {sizes[0]})':>22} | "
+          + " | ".join(f"{f'|diff| world size {n}':>22}" for n in sizes[1:]))
+    for step, loss in enumerate(ref["loss"]):
+        diffs = [abs(results[n]["loss"][step] - loss) for n in sizes[1:]]
+        print(f"{step:5d} | {loss:22.9f} | " + " | ".join(f"{d:22.3e}" for d in diffs))
+    for name in ("loss", "val_loss"):
+        worst = [max((abs(a - b) for a, b in zip(results[n][name], ref[name])), default=0.0)
+                 for n in sizes[1:]]
+        print(f"max |diff| of {name:8s}: " + ", ".join(
+            f"world size {n}: {w:.3e}" for n, w in zip(sizes[1:], worst)))
+    print("max |diff| of weights : " + ", ".join(
+        f"world size {n}: {results[n]['max_param_diff']:.3e}" for n in sizes[1:]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world-sizes N ...]")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out-dir", default="out/check_equivalence")
+    args, train_args = parser.parse_known_args()
+    results = compare(train_args, args.world_sizes, args.out_dir)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import multiprocessing
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -330,33 +331,43 @@ def main(argv=None):
             raise _error(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stale = list(out_dir.glob("*.bin.tmp"))  # left by a killed run
+    # Shards are written to a staging dir and moved into out_dir only once all are complete, so a
+    # killed run leaves no shard the loader would take for a complete dataset, and a rerun works.
+    staging = out_dir / ".partial"
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a killed run
+    staging.mkdir(parents=True)
+
+    try:
+        writer = _ShardWriter(staging, name, args.shard_size)
+        val_left = val_tokens
+        with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
+            for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+                bar.update(len(tokens))
+                if val_left:
+                    head = tokens[:val_left]
+                    writer.add("val", head)
+                    val_left -= len(head)
+                    tokens = tokens[len(head):]
+                if len(tokens):
+                    writer.add("train", tokens)
+        if writer.split is None:  # no document came through, so nothing has been written
+            raise _error(f"empty input: no documents in {what}")
+        writer.flush()
+        if "train" not in writer.stats:
+            n = writer.stats["val"][1]
+            raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
+                         f"{val_tokens}); no train shard was written")
+    except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
+        shutil.rmtree(staging)
+        raise
+
     if args.overwrite:
-        stale += out_dir.glob(glob.escape(name) + "_*.bin")
-    for path in stale:
-        path.unlink()
-
-    writer = _ShardWriter(out_dir, name, args.shard_size)
-    val_left = val_tokens
-    with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
-        for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
-            bar.update(len(tokens))
-            if val_left:
-                head = tokens[:val_left]
-                writer.add("val", head)
-                val_left -= len(head)
-                tokens = tokens[len(head):]
-            if len(tokens):
-                writer.add("train", tokens)
-    if writer.split is None:  # no document came through, so nothing has been written
-        raise _error(f"empty input: no documents in {what}")
-    writer.flush()
-    if "train" not in writer.stats:
-        n = writer.stats["val"][1]
-        raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
-                     f"{val_tokens}); no train shard was written")
-
+        for path in out_dir.glob(glob.escape(name) + "_*.bin"):
+            path.unlink()
+    for path in sorted(staging.glob("*.bin")):
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
     print(f"wrote {writer.index} shard(s) to {out_dir}")
     for split in ("val", "train"):
         shards, tokens = writer.stats.get(split, (0, 0))

@@ -84,7 +84,9 @@ class Config:
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
     checkpoint_interval: int = 5000
+    keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
+    overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
     # system
     seed: int = 1337
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
@@ -306,8 +308,9 @@ class DataLoader:
     Shards are memory-mapped anew per batch, so host memory stays flat (nanoGPT #287).
     """
 
-    def __init__(self, data_dir, split, B, T, rank, world_size, device):
+    def __init__(self, data_dir, split, B, T, rank, world_size, device, vocab_size):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
+        self.vocab_size = vocab_size
         self.paths = sorted(Path(data_dir).glob(f"*_{split}_*.bin"))
         if not self.paths:
             raise UserError(
@@ -329,7 +332,12 @@ class DataLoader:
             offset = start - int(self.starts[i])
             take = min(n, int(self.starts[i + 1]) - start)
             shard = np.memmap(self.paths[i], dtype="<u2", mode="r", offset=HEADER_INTS * 4)
-            out.append(np.array(shard[offset:offset + take], dtype=np.int64))
+            chunk = np.array(shard[offset:offset + take], dtype=np.int64)
+            if chunk.max() >= self.vocab_size:  # an embedding lookup would fail far less clearly
+                raise UserError(f"shard {self.paths[i]} holds token id {chunk.max()}, beyond "
+                                f"vocab_size={self.vocab_size}: it was made with another tokenizer; "
+                                f"remake it with prepare_data.py or raise vocab_size")
+            out.append(chunk)
             start, n = start + take, n - take
         return np.concatenate(out)
 
@@ -358,6 +366,17 @@ class DataLoader:
             raise UserError(f"checkpoint's loader used micro-batches of {state['tokens_per_batch']} "
                              f"tokens, this run {self.B * self.T}: keep micro_batch_size*seq_len")
         self.batch_index = state["batch_index"]
+
+
+def atomic_write(path, write):
+    """Calls write(f) on a temp file beside `path`, fsyncs it, then renames it onto `path`:
+    a process killed at any moment leaves either the old file or the new one, never a part."""
+    tmp = Path(path).with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def derived_seed(*parts):
@@ -419,8 +438,8 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
         f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
 
-    train_loader = DataLoader(config.data_dir, "train", B, T, rank, world_size, device)
-    val_loader = DataLoader(config.data_dir, "val", B, T, rank, world_size, device)
+    train_loader = DataLoader(config.data_dir, "train", B, T, rank, world_size, device, config.vocab_size)
+    val_loader = DataLoader(config.data_dir, "val", B, T, rank, world_size, device, config.vocab_size)
 
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -454,42 +473,67 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
         ratio = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
         return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.max_lr - config.min_lr)
 
-    # Resume: the latest checkpoint in out_dir holds model, optimizer, step and loader position
+    # Resume: the latest checkpoint in out_dir holds model, optimizer, step and loader position.
+    # No RNG state needs saving: every random draw after init is seeded from (seed, step, ...).
     out_dir = Path(config.out_dir)
     start_step = 0
     checkpoints = sorted(out_dir.glob("ckpt_*.pt"))
+    if config.resume == "never" and checkpoints:
+        if not config.overwrite:
+            raise UserError(f"{out_dir} has checkpoints and resume=never would overwrite them; "
+                            f"pass --resume=auto to continue, --overwrite=true to start over, or "
+                            f"another --out_dir")
+        if master_process:
+            for path in checkpoints:
+                path.unlink()
     if config.resume == "auto" and checkpoints:
-        ckpt = torch.load(checkpoints[-1], map_location=device, weights_only=True)
+        try:
+            ckpt = torch.load(checkpoints[-1], map_location=device, weights_only=True)
+        except Exception as e:
+            raise UserError(f"cannot load checkpoint {checkpoints[-1]} ({e.__class__.__name__}: "
+                            f"{str(e)[:200]}); move it away to resume from the one before") from e
         model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
         diff = {k: (ckpt["config"][k], getattr(config, k)) for k in model_keys
                 if ckpt["config"][k] != getattr(config, k)}
         if diff:
-            raise UserError(f"checkpoint {checkpoints[-1]} is of another model, (checkpoint, run): "
-                             f"{diff}; use another out_dir or resume=never")
+            raise UserError(
+                f"checkpoint {checkpoints[-1]} is of another model: "
+                + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
+                + "; use the checkpoint's model config, another out_dir, or resume=never")
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         start_step = ckpt["step"]
         log(f"resumed from {checkpoints[-1]} at step {start_step}")
+    log_path = out_dir / "log.jsonl"
     if master_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if start_step == 0:
-            (out_dir / "log.jsonl").unlink(missing_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            # drop what a killed run logged after its last checkpoint: those steps run again
+            lines = log_path.read_text().splitlines() if log_path.exists() else []
+            kept = [line for line in lines  # a line cut by a kill does not end its object
+                    if line.endswith("}") and json.loads(line)["step"] < start_step]
+            atomic_write(log_path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
+            for stale in out_dir.glob("*.tmp"):  # from a save that was killed
+                stale.unlink()
+        except OSError as e:
+            raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror}; "
+                            f"pass a writable --out_dir") from e
 
     def log_json(record):
-        with open(out_dir / "log.jsonl", "a") as f:
+        with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def save_checkpoint(step):
-        """Writes {out_dir}/ckpt_{step}.pt atomically: a killed save leaves the last one intact."""
+        """Writes {out_dir}/ckpt_{step}.pt atomically, then drops all but keep_checkpoints."""
         path = out_dir / f"ckpt_{step:07d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "config": dataclasses.asdict(config), "step": step,
-                    "loader": train_loader.state_dict()}, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "config": dataclasses.asdict(config), "step": step,
+                 "loader": train_loader.state_dict()}
+        atomic_write(path, lambda f: torch.save(state, f))
+        if config.keep_checkpoints > 0:
+            for old in sorted(out_dir.glob("ckpt_*.pt"))[:-config.keep_checkpoints]:
+                old.unlink()
         log(f"saved {path}")
 
     def evaluate():

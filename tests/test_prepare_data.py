@@ -254,9 +254,11 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     with pytest.raises(SystemExit) as exc:
         run(*common)
     assert "--overwrite" in str(exc.value)
-    (out_dir / "a_train_000009.bin.tmp").write_bytes(b"left by a killed run")
+    (out_dir / ".partial").mkdir()
+    (out_dir / ".partial" / "a_train_000009.bin").write_bytes(b"left by a killed run")
     run(*common, "--overwrite")
     assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
+    assert not (out_dir / ".partial").exists()
 
 
 def test_empty_input_is_an_error(tmp_path):

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# A long run that survives worker failures: torchrun restarts all workers up to MAX_RESTARTS
+# times (default 3), and each restart resumes exactly from the latest checkpoint in out_dir
+# (resume=auto), so keep checkpoint_interval small enough to lose little work.
+#   NPROC=8 bash scripts/train_resilient.sh configs/gpt2_124m.toml --checkpoint_interval=500
+set -euo pipefail
+cd "$(dirname "$0")/.."
+torchrun --standalone --nproc_per_node="${NPROC:-8}" --max-restarts="${MAX_RESTARTS:-3}" \
+    train_gpt2.py "$@"

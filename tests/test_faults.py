@@ -1,0 +1,229 @@
+"""Checkpoints, exact resume, dead ranks and bad input: each fault the way a user meets it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY, make_shards, read_log, run_training
+from prepare_data import write_shard
+
+STEPS = 40
+# 8 micro-batches of 32 tokens per step; checkpoints every 5 steps
+RUN = [*TINY, "--total_batch_size=256", f"--max_steps={STEPS}", "--checkpoint_interval=5",
+       "--eval_interval=10", "--dropout=0.1", "--bias=false"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    make_shards(path, n_train=20000)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    """The reference: world size 2, never interrupted."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_training([*RUN, f"--data_dir={data_dir}", f"--out_dir={out}"], nproc=2)
+    return read_log(out)
+
+
+def children(pid):
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def wait_for_step(out_dir, step, proc, timeout=120):
+    """Blocks until log.jsonl has a train record of `step` or later."""
+    deadline = time.time() + timeout
+    log = Path(out_dir) / "log.jsonl"
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        if log.exists():
+            lines = [line for line in log.read_text().splitlines() if line.endswith("}")]
+            if any(json.loads(line).get("step", -1) >= step and "loss" in json.loads(line)
+                   for line in lines):
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def torchrun(args, nproc, extra=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *extra, str(ROOT / "train_gpt2.py"), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, uninterrupted, tmp_path):
+    """torchrun --max-restarts=1 restarts both workers after one is SIGKILLed; they resume from
+    the last checkpoint and log exactly (bitwise, float32) the losses of the uninterrupted run."""
+    proc = torchrun([*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"], 2,
+                    extra=["--max-restarts=1"])
+    wait_for_step(tmp_path, 12, proc)
+    os.kill(children(proc.pid)[-1], signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    assert "resumed from" in output
+    steps, evals = read_log(tmp_path)
+    ref_steps, ref_evals = uninterrupted
+    assert [s["step"] for s in steps] == list(range(STEPS))  # replayed steps logged once
+    assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
+    assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
+
+
+def test_resume_on_another_world_size_continues_the_same_run(data_dir, uninterrupted, tmp_path):
+    """Killed at world size 2 (no restart), resumed at world size 1 and then at 4."""
+    proc = torchrun([*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"], 2)
+    wait_for_step(tmp_path, 12, proc)
+    for pid in children(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.communicate()
+    checkpoints = sorted(tmp_path.glob("ckpt_*.pt"))
+    assert checkpoints and torch.load(checkpoints[-1], weights_only=True)["step"] < STEPS
+    # world size 1 goes on for a while; its process dies mid-run too
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *RUN, f"--data_dir={data_dir}",
+                             f"--out_dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    wait_for_step(tmp_path, 25, proc)
+    proc.kill()
+    proc.communicate()
+    out = run_training([*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"], nproc=4).stdout
+    assert "resumed from" in out
+    steps, evals = read_log(tmp_path)
+    ref_steps, ref_evals = uninterrupted
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in ref_steps], rtol=1e-5)
+    np.testing.assert_allclose([e["val_loss"] for e in evals], [e["val_loss"] for e in ref_evals],
+                               rtol=1e-5)
+
+
+def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--total_batch_size=64",
+            "--max_steps=6", "--checkpoint_interval=1", "--keep_checkpoints=2"]
+    run_training(args)
+    assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
+    ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
+    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader"}
+    assert ckpt["step"] == 6 and ckpt["loader"]["batch_index"] == 6 * 2
+
+    # a checkpoint of another model is refused, with both sides of each difference
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, "--n_embd=64", "--max_steps=8"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "is of another model: n_embd=32 in the checkpoint, 64 in this run" in proc.stderr
+
+    # resume=never refuses to overwrite checkpoints unless told to
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, "--resume=never"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and "--overwrite=true to start over" in proc.stderr
+    run_training([*args, "--resume=never", "--overwrite=true", "--max_steps=2"])
+    assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
+    assert [s["step"] for s in read_log(tmp_path)[0]] == [0, 1]
+
+    # a truncated checkpoint (not one of ours: ours are written atomically) is named
+    data = (tmp_path / "ckpt_0000002.pt").read_bytes()
+    (tmp_path / "ckpt_0000002.pt").write_bytes(data[: len(data) // 2])
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and "cannot load checkpoint" in proc.stderr
+    assert "ckpt_0000002.pt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def launch_ranks(args, world_size, port):
+    """Starts each rank as a plain process with torchrun's variables, so that no agent kills the
+    survivors when one rank dies: only the collective timeout can end them."""
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_survivors_exit_within_the_collective_timeout(data_dir, tmp_path, fault):
+    """A rank that dies (SIGKILL) or hangs (SIGSTOP) mid-run: the other rank fails with an error
+    within collective_timeout_s (5 s here), not after gloo's default of 30 minutes."""
+    from test_equivalence import free_port
+
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--total_batch_size=64",
+            "--max_steps=100000", "--eval_interval=0", "--collective_timeout_s=5"]
+    survivor, victim = launch_ranks(args, 2, free_port())
+    wait_for_step(tmp_path, 3, survivor)
+    os.kill(victim.pid, fault)
+    start = time.time()
+    try:
+        survivor.communicate(timeout=60)
+    finally:
+        victim.kill()
+        victim.communicate()
+    assert survivor.returncode != 0
+    assert time.time() - start < 5 + 10  # the timeout, plus teardown
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def train_error(*args):
+    """Runs train_gpt2.py expecting a one-line error; returns stderr."""
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("train_gpt2.py: error: ")
+    return proc.stderr
+
+
+def test_bad_data_is_named_with_the_fix(tmp_path):
+    assert "no train shards" in train_error(f"--data_dir={tmp_path}/missing", f"--out_dir={tmp_path}/o")
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    write_shard(only_train / "x_train_000001.bin", np.arange(100))
+    assert "no val shards" in train_error(f"--data_dir={only_train}", f"--out_dir={tmp_path}/o")
+
+    big = tmp_path / "big_ids"
+    make_shards(big)
+    write_shard(big / "tiny_train_000001.bin", np.full(2000, 50256))  # GPT-2 ids, vocab_size 512
+    err = train_error(f"--data_dir={big}", f"--out_dir={tmp_path}/o")
+    assert "tiny_train_000001.bin holds token id 50256, beyond vocab_size=512" in err
+
+
+def test_unwritable_out_dir_fails_before_training(tmp_path):
+    data = tmp_path / "data"
+    make_shards(data)
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where out_dir's parent should be")
+    err = train_error(f"--data_dir={data}", f"--out_dir={blocker}/out")
+    assert f"cannot write to out_dir {blocker}/out" in err
+
+
+def test_killed_prepare_data_leaves_no_shard_and_a_rerun_completes(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    words = np.array(["the", "king", "of", "denmark", "is", "dead", "long", "live", "queen"])
+    with open(corpus, "w") as f:
+        for _ in range(40000):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, 30))}) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "prepare_data.py", "--input", str(corpus), "--output-dir", str(out),
+           "--shard-size", "20000", "--val-tokens", "20000", "--workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out.glob(".partial/*.bin")) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert list(out.glob(".partial/*.bin")), "prepare_data.py ended before it could be killed"
+    assert not list(out.glob("*.bin"))  # the loader sees nothing
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    shards = sorted(out.glob("*.bin"))
+    assert len(shards) > 2 and not (out / ".partial").exists()

@@ -18,6 +18,7 @@ numbered across ranks, micro-batch m of a step goes to rank m % world_size, and 
 a random state derived from (seed, step, m) alone. So world size changes only the float rounding.
 """
 
+import ctypes
 import dataclasses
 import difflib
 import hashlib
@@ -37,7 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
 
 from prepare_data import gpt2_encoding  # GPT-2's tokenizer, built offline from assets/, for samples
 
@@ -90,8 +96,11 @@ class Config:
     # system
     seed: int = 1337
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
+    sharding: str = "ddp"  # ddp: replicas; zero2: shard AdamW state; fsdp: shard params too (FSDP2)
     compile: bool = True
+    compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
+    profile: bool = False  # the master writes a torch.profiler trace of 3 steps to out_dir
 
 
 def cast_value(key, raw, typ):
@@ -148,6 +157,8 @@ def load_config(argv):
             raise UserError(f"unknown config key {key!r}{hint}")
         kwargs[key] = cast_value(key, raw, fields[key])
     config = Config(**kwargs)
+    if config.sharding not in ("ddp", "zero2", "fsdp"):
+        raise UserError(f"config key 'sharding' must be ddp, zero2 or fsdp, got {config.sharding!r}")
     if config.resume not in ("auto", "never"):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {config.resume!r}")
     if config.seq_len > config.block_size:
@@ -258,6 +269,14 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
+
+    def flops_per_token(self, T):
+        """Training FLOPs per token at sequence length T, by nanoGPT's convention (PaLM, appendix
+        B): 6N for the forward and backward matmuls, N the parameters without wpe (a lookup), plus
+        12 * n_layer * n_head * head_dim * T for attention's QK^T and AV."""
+        N = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        cfg = self.config
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, generator, top_k=50):
@@ -379,6 +398,26 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
+# dense bf16 tensor-core peak FLOP/s by device name, from NVIDIA's datasheets (SXM unless named)
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of a CUDA device, or None for a device not in PEAK_BF16_FLOPS or a CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state this rank holds (of a DTensor, its local shard)."""
+    inner = optimizer.optimizer if isinstance(optimizer, ZeRO2AdamW) else optimizer
+    tensors = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def derived_seed(*parts):
     """A 63-bit seed that depends on `parts` alone (e.g. seed, step, micro-batch)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
@@ -386,13 +425,135 @@ def derived_seed(*parts):
 
 
 # -----------------------------------------------------------------------------
+# Sharded optimizer: AdamW with state and update split over ranks (ZeRO-2)
+
+
+class ZeRO2AdamW:
+    """AdamW whose state and update are sharded over ranks: ZeRO stage 2 (Rajbhandari et al.
+    2020), in the design of the blog "A Thousand Ways to Write ZeRO-2" (modded-nanogpt's DistAdam).
+
+    Each parameter is flattened and zero-padded to a multiple of world_size; rank r owns slice r of
+    it and keeps AdamW state for that slice only (1/world_size of DDP's 8 bytes per parameter).
+    No DDP wrapper: micro-steps that do not sync accumulate p.grad locally. On the syncing one,
+    a post-accumulate-grad hook launches an asynchronous reduce-scatter of each gradient as soon
+    as autograd has finished it, so communication overlaps the rest of the backward. step()
+    waits on them in the order the backward made them, clips by the norm of the full gradient
+    (summed over ranks), updates the slices with torch.optim.AdamW (the same arithmetic as ddp
+    mode) and all-gathers the new slices into every rank's full parameters.
+
+    state_dict()/load_state_dict() use the full, unsharded state in torch.optim.AdamW's format,
+    so a checkpoint resumes at any world size. Both are collectives: every rank calls them.
+    """
+
+    def __init__(self, param_groups, rank, world_size, **adamw_kwargs):
+        self.rank, self.world_size = rank, world_size
+        self.require_backward_grad_sync = True  # as DDP's flag: set before each forward
+        self.params = [p for group in param_groups for p in group["params"]]
+        self.shards = {}  # parameter -> this rank's slice of it, which the inner AdamW updates
+        shard_groups = []
+        for group in param_groups:
+            for p in group["params"]:
+                self.shards[p] = self.shard_of(p.detach()).clone()
+                p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
+            shard_groups.append({**group, "params": [self.shards[p] for p in group["params"]]})
+        self.optimizer = torch.optim.AdamW(shard_groups, **adamw_kwargs)
+        self.param_groups = self.optimizer.param_groups  # where the schedule sets lr
+        self.pending = []  # (parameter, reduce-scatter work), in the order the backward ran
+
+    def padded(self, t):
+        """t flattened and zero-padded to a multiple of world_size elements."""
+        flat = t.reshape(-1)
+        return F.pad(flat, (0, -flat.numel() % self.world_size))
+
+    def shard_of(self, t):
+        flat = self.padded(t)
+        n = flat.numel() // self.world_size
+        return flat[self.rank * n:(self.rank + 1) * n]
+
+    def reduce_scatter_grad(self, p):
+        if not self.require_backward_grad_sync:
+            return
+        shard = self.shards[p]
+        shard.grad = torch.empty_like(shard)
+        # divide before summing, as DDP does, so the two modes round alike
+        work = dist.reduce_scatter_single(shard.grad, self.padded(p.grad) / self.world_size,
+                                          async_op=True)
+        self.pending.append((p, work))
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, max_norm):
+        """Clips to max_norm and updates; returns the full gradient's norm before clipping."""
+        for p, work in self.pending:  # in backward order: the earliest launched finish first
+            work.wait()
+            p.grad = None  # the full gradient is no longer needed: ZeRO-2's memory saving
+        self.pending = []
+        shards = list(self.shards.values())
+        norm_sq = torch.stack([s.grad.float().pow(2).sum() for s in shards]).sum()
+        dist.all_reduce(norm_sq)
+        norm = norm_sq.sqrt()
+        clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
+        torch._foreach_mul_([s.grad for s in shards], clip_coef)
+        self.optimizer.step()
+        gathers = []
+        for p in self.params:
+            full = torch.empty(self.padded(p).numel(), dtype=p.dtype, device=p.device)
+            gathers.append((p, full, dist.all_gather_single(full, self.shards[p], async_op=True)))
+        with torch.no_grad():
+            for p, full, work in gathers:
+                work.wait()
+                p.copy_(full[:p.numel()].view_as(p))
+        return norm
+
+    def state_dict(self):
+        inner = self.optimizer.state_dict()
+        state = {}
+        for i, p in enumerate(self.params):
+            if i not in inner["state"]:
+                continue
+            state[i] = {"step": inner["state"][i]["step"]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = inner["state"][i][key]
+                full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype,
+                                   device=shard.device)
+                dist.all_gather_single(full, shard)
+                state[i][key] = full[:p.numel()].view_as(p).clone()
+        return {"state": state, "param_groups": inner["param_groups"]}
+
+    def load_state_dict(self, full_state):
+        state = {i: {"step": s["step"], "exp_avg": self.shard_of(s["exp_avg"]).clone(),
+                     "exp_avg_sq": self.shard_of(s["exp_avg_sq"]).clone()}
+                 for i, s in full_state["state"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
+
+
+# -----------------------------------------------------------------------------
 # Distributed setup: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; plain python runs one process
+
+
+def keep_freed_cpu_memory():
+    """Makes glibc keep freed memory in the heap instead of handing it back to the OS.
+
+    glibc serves blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free,
+    so each step page-faults its largest tensors (the (B, T, vocab_size) logits) in anew. Measured
+    with the CPU quickstart on 2 cores: 2.9x the tokens/s. No-op where libc is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def main(argv):
     config = load_config(argv)
-    ddp = "RANK" in os.environ
-    if ddp:
+    launched = "RANK" in os.environ  # by torchrun
+    if launched:
         rank = int(os.environ["RANK"])
         local_rank = int(os.environ["LOCAL_RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
@@ -402,7 +563,7 @@ def main(argv):
     if config.device == "auto":
         if torch.cuda.is_available():
             device = f"cuda:{local_rank}"
-        elif torch.backends.mps.is_available() and not ddp:
+        elif torch.backends.mps.is_available() and not launched:
             device = "mps"
         else:
             device = "cpu"
@@ -411,14 +572,19 @@ def main(argv):
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if ddp:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":
+        keep_freed_cpu_memory()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if launched:
         dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    elif config.sharding != "ddp":  # the sharded modes' collectives need a group, even of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        train(config, rank, local_rank, world_size, master_process, device, ddp)
+        train(config, rank, local_rank, world_size, master_process, device,
+              ddp=launched and config.sharding == "ddp")
     finally:
-        if ddp:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -446,14 +612,28 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
                 else nullcontext())
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     raw_model = GPT(config).to(device)
+    if config.compile and config.dropout > 0:
+        # compiled dropout draws other masks than eager unless it falls back to eager RNG
+        torch._inductor.config.fallback_random = True
+    # DDP(compile(model)) compiles one graph for forward and backward; compile(DDP(model)) lets
+    # DDPOptimizer split it at bucket boundaries so all-reduces can start during the backward
     model = raw_model
-    if config.compile:
-        if config.dropout > 0:
-            # compiled dropout draws other masks than eager unless it falls back to eager RNG
-            torch._inductor.config.fallback_random = True
+    if config.sharding == "fsdp":  # each block's parameters are all-gathered just before its use
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32)
+        for block in raw_model.transformer.h:
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(raw_model, mp_policy=mp_policy)  # the rest, wte/lm_head tied, in one group
+    if config.compile and not config.compile_ddp:
         model = torch.compile(model)
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if config.compile and config.compile_ddp:
+        model = torch.compile(model)
+    flops_per_step = raw_model.flops_per_token(T) * config.total_batch_size
+    peak = peak_flops(device)
+    if peak is None:
+        log(f"MFU not reported: no peak FLOP/s known for {device} (see PEAK_BF16_FLOPS)")
 
     # Optimizer: AdamW, weight decay on matmul and embedding weights (2-D), not biases or norms
     params = [p for p in raw_model.parameters() if p.requires_grad]
@@ -461,8 +641,12 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=config.max_lr, betas=(config.beta1, config.beta2),
-                                  eps=1e-8, fused=device.type == "cuda")
+    adamw_kwargs = dict(lr=config.max_lr, betas=(config.beta1, config.beta2), eps=1e-8,
+                        fused=device.type == "cuda")
+    if config.sharding == "zero2":
+        optimizer = ZeRO2AdamW(groups, rank, world_size, **adamw_kwargs)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adamw_kwargs)
 
     def get_lr(step):
         """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (GPT-3 paper, B.1)."""
@@ -495,13 +679,20 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
         model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
         diff = {k: (ckpt["config"][k], getattr(config, k)) for k in model_keys
                 if ckpt["config"][k] != getattr(config, k)}
+        if (ckpt["config"]["sharding"] == "fsdp") != (config.sharding == "fsdp"):
+            diff["sharding"] = (ckpt["config"]["sharding"], config.sharding)  # other optimizer format
         if diff:
             raise UserError(
                 f"checkpoint {checkpoints[-1]} is of another model: "
                 + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
                 + "; use the checkpoint's model config, another out_dir, or resume=never")
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if config.sharding == "fsdp":
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(raw_model, ckpt["model"], options=options)
+            set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
+        else:
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         start_step = ckpt["step"]
         log(f"resumed from {checkpoints[-1]} at step {start_step}")
@@ -525,9 +716,18 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
             f.write(json.dumps(record) + "\n")
 
     def save_checkpoint(step):
-        """Writes {out_dir}/ckpt_{step}.pt atomically, then drops all but keep_checkpoints."""
+        """Writes {out_dir}/ckpt_{step}.pt atomically, then drops all but keep_checkpoints.
+        Every rank calls it: the sharded modes gather their state into full tensors first."""
+        if config.sharding == "fsdp":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state = get_model_state_dict(raw_model, options=options)
+            optimizer_state = get_optimizer_state_dict(raw_model, optimizer, options=options)
+        else:
+            model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
+        if not master_process:
+            return
         path = out_dir / f"ckpt_{step:07d}.pt"
-        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"model": model_state, "optimizer": optimizer_state,
                  "config": dataclasses.asdict(config), "step": step,
                  "loader": train_loader.state_dict()}
         atomic_write(path, lambda f: torch.save(state, f))
@@ -540,13 +740,17 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
         """Mean loss over the first val_batches micro-batches of the val split, whatever world_size."""
         raw_model.eval()
         total = torch.zeros(2, device=device)  # sum of losses, number of batches
+        # every rank runs as many batches (FSDP's all-gathers must pair up); those past
+        # val_batches get weight 0
+        padded = math.ceil(config.val_batches / world_size) * world_size
         with torch.no_grad():
-            for g in range(rank, config.val_batches, world_size):
+            for g in range(rank, padded, world_size):
                 x, y = val_loader.get_batch(g)
                 with autocast:
                     _, loss = raw_model(x, y)
-                total += torch.stack([loss.float(), torch.ones((), device=device)])
-        if ddp:
+                weight = torch.tensor(float(g < config.val_batches), device=device)
+                total += torch.stack([loss.float() * weight, weight])
+        if dist.is_initialized():
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         raw_model.train()
         return (total[0] / total[1]).item()
@@ -563,6 +767,14 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     def every(interval, step):
         return interval > 0 and (step % interval == 0 or step == config.max_steps - 1)
 
+    profiler = None
+    if config.profile and master_process:  # steps 3, 4 and 5 of this run, after warm-up
+        trace = out_dir / "trace.json"
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(str(trace)))
+        profiler.start()
+
     # -------------------------------------------------------------------------
     # Training loop
     for step in range(start_step, config.max_steps):
@@ -571,21 +783,28 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
             log(f"step {step:5d} | val loss {val_loss:.4f}")
             if master_process:
                 log_json({"step": step, "val_loss": val_loss})
-        if master_process and every(config.sample_interval, step) and step > 0:
-            sample(step)
+        if every(config.sample_interval, step) and step > 0:
+            sample(step)  # on every rank, for FSDP's all-gathers; the master prints
 
         t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
         loss_accum = torch.zeros((), device=device)
         for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
+            last_micro_step = micro_step == grad_accum_steps - 1
+            with record_function("data"):
+                x, y = train_loader.next_batch()
+            # sync gradients on the last micro-step only; DDP reads its flag in forward as well
+            # as backward, so it is set before the forward (build-nanogpt #30)
             if ddp:
-                # DDP reads this flag in forward as well as backward, so set it before the
-                # forward: all-reduce the gradients only on the last micro-step (build-nanogpt #30)
-                model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+                ddp_model.require_backward_grad_sync = last_micro_step
+            elif config.sharding == "zero2":
+                optimizer.require_backward_grad_sync = last_micro_step
+            elif config.sharding == "fsdp":
+                raw_model.set_requires_gradient_sync(last_micro_step)
             m = micro_step * world_size + rank  # this micro-batch's number within the step
             # dropout masks depend on (seed, step, m) alone, so on no world size (PITFALLS.md)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    record_function("forward_backward_sync" if last_micro_step else "forward_backward"):
                 torch.manual_seed(derived_seed(config.seed, step, m))
                 with autocast:
                     _, loss = model(x, y)
@@ -593,30 +812,48 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
                 loss = loss / grad_accum_steps
                 loss.backward()
             loss_accum += loss.detach()
-        if ddp:
+        if dist.is_initialized():
             dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
             loss_accum /= world_size
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-        lr = get_lr(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
+        with record_function("optimizer"):
+            lr = get_lr(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if config.sharding == "zero2":
+                norm = optimizer.step(config.grad_clip)  # clips by the norm over all shards
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
+                if config.sharding == "fsdp":
+                    norm = norm.full_tensor()  # a DTensor
+                optimizer.step()
         loss_value = loss_accum.item()  # the first host sync of the step
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
         tokens_per_sec = config.total_batch_size / dt
         norm = norm.item()
+        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm,
+                  "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec}
+        if peak:
+            record["mfu"] = flops_per_step / dt / (peak * world_size)
+        if device.type == "cuda":
+            record["mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if step == start_step:
+            record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)  # rank 0's
         log(f"step {step:5d} | loss: {loss_value:.6f} | lr {lr:.4e} | norm: {norm:.4f} | "
-            f"dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}")
+            f"dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
+            + (f" | mfu: {record['mfu'] * 100:.1f}%" if peak else ""))
+        if profiler:
+            profiler.step()
         if master_process:
-            log_json({"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm,
-                      "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec})
-            last_step = step + 1 == config.max_steps
-            if last_step or (config.checkpoint_interval > 0
-                             and (step + 1) % config.checkpoint_interval == 0):
-                save_checkpoint(step + 1)
-    if ddp:
+            log_json(record)
+        last_step = step + 1 == config.max_steps
+        if last_step or (config.checkpoint_interval > 0
+                         and (step + 1) % config.checkpoint_interval == 0):
+            save_checkpoint(step + 1)
+    if profiler:
+        profiler.stop()
+    if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
 
 

@@ -8,7 +8,7 @@ prints how far each run's per-step losses and final weights are from the one-pro
 Arguments other than --world-sizes and --out-dir go to train_gpt2.py. The config's
 total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
 World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalone
---nproc_per_node=N train_gpt2.py`, all with resume=never.
+--nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true.
 """
 
 import argparse
@@ -31,7 +31,7 @@ def train(world_size, train_args, out_dir):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world_size}", script]
-    cmd += [*train_args, f"--out_dir={out_dir}", "--resume=never"]
+    cmd += [*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")

@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from check_equivalence import compare  # noqa: E402
 from prepare_data import write_shard  # noqa: E402
 
 # A GPT small enough that a few steps take seconds on one CPU core.
@@ -70,3 +72,24 @@ def read_log(out_dir):
     """The records of {out_dir}/log.jsonl, split into train steps and evals."""
     records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+# The equivalence config: dropout on, no biases (see test_equivalence.py), B*T = 32 tokens and
+# 256 tokens per step = 8 micro-batches: 8, 4 and 2 micro-steps at world size 1, 2 and 4.
+STEPS = 6
+EQUIV = [*TINY, "--dropout=0.1", "--bias=false", "--total_batch_size=256", f"--max_steps={STEPS}",
+         "--eval_interval=3"]
+
+
+@pytest.fixture(scope="session")
+def equiv_data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("equiv_data")
+    make_shards(path, n_train=20000)
+    return path
+
+
+@pytest.fixture(scope="session")
+def equiv_runs(equiv_data_dir, tmp_path_factory):
+    """The EQUIV config trained in ddp mode at world sizes 1 (plain python), 2 and 4."""
+    return compare([*EQUIV, f"--data_dir={equiv_data_dir}"], [1, 2, 4],
+                   tmp_path_factory.mktemp("equiv_runs"))

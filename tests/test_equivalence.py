@@ -18,27 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, make_shards, read_log
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from check_equivalence import compare, print_table  # noqa: E402
-
-STEPS = 6
-# B*T = 32 tokens; 256 tokens per step = 8 micro-batches: 8, 4 and 2 micro-steps at world size 1, 2, 4
-EQUIV = [*TINY, "--dropout=0.1", "--bias=false", "--total_batch_size=256", f"--max_steps={STEPS}",
-         "--eval_interval=3"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    make_shards(path, n_train=20000)
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
-    return compare([*EQUIV, f"--data_dir={data_dir}"], [1, 2, 4], tmp_path_factory.mktemp("runs"))
+from check_equivalence import compare, print_table
+from conftest import EQUIV, ROOT, STEPS, read_log
 
 
 def assert_same_run(result, reference):
@@ -47,27 +28,27 @@ def assert_same_run(result, reference):
     assert result["max_param_diff"] < 1e-5
 
 
-def test_world_sizes_1_2_4_train_the_same_model_with_dropout(runs):
-    assert len(runs[1]["loss"]) == STEPS and len(runs[1]["val_loss"]) == 3
-    assert runs[1]["loss"][-1] < runs[1]["loss"][0]
-    assert runs[1]["max_param_diff"] == 0.0
+def test_world_sizes_1_2_4_train_the_same_model_with_dropout(equiv_runs):
+    assert len(equiv_runs[1]["loss"]) == STEPS and len(equiv_runs[1]["val_loss"]) == 3
+    assert equiv_runs[1]["loss"][-1] < equiv_runs[1]["loss"][0]
+    assert equiv_runs[1]["max_param_diff"] == 0.0
     for n in (2, 4):
-        assert_same_run(runs[n], runs[1])
+        assert_same_run(equiv_runs[n], equiv_runs[1])
 
 
-def test_check_script_prints_the_table(runs, capsys):
-    print_table(runs)
+def test_check_script_prints_the_table(equiv_runs, capsys):
+    print_table(equiv_runs)
     out = capsys.readouterr().out
     assert "|diff| world size 2" in out and "|diff| world size 4" in out
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == STEPS
     assert "max |diff| of weights" in out
 
 
-def test_dropout_masks_depend_on_the_micro_batch_not_the_rank(data_dir, runs, tmp_path):
+def test_dropout_masks_depend_on_the_micro_batch_not_the_rank(equiv_data_dir, equiv_runs, tmp_path):
     """The same run with dropout 0 differs: dropout is really on, and the match above is not
     because every rank drew the same masks (with identical masks, world size 2 would differ)."""
-    no_dropout = compare([*EQUIV, f"--data_dir={data_dir}", "--dropout=0.0"], [1], tmp_path)
-    assert abs(no_dropout[1]["loss"][0] - runs[1]["loss"][0]) > 1e-3
+    no_dropout = compare([*EQUIV, f"--data_dir={equiv_data_dir}", "--dropout=0.0"], [1], tmp_path)
+    assert abs(no_dropout[1]["loss"][0] - equiv_runs[1]["loss"][0]) > 1e-3
 
 
 def probe(args, nproc, out, late_toggle=False):
@@ -83,8 +64,8 @@ def probe(args, nproc, out, late_toggle=False):
     return ranks, read_log(out)[0]
 
 
-def test_gradients_are_all_reduced_once_per_step_and_the_logged_loss_is_the_mean(data_dir, tmp_path):
-    ranks, steps = probe([*EQUIV, f"--data_dir={data_dir}"], 2, tmp_path)
+def test_gradients_are_all_reduced_once_per_step_and_the_logged_loss_is_the_mean(equiv_data_dir, tmp_path):
+    ranks, steps = probe([*EQUIV, f"--data_dir={equiv_data_dir}"], 2, tmp_path)
     grad_accum_steps = 4
     for rank in ranks:
         per_step, current = [], []
@@ -106,14 +87,14 @@ def test_gradients_are_all_reduced_once_per_step_and_the_logged_loss_is_the_mean
     assert not np.allclose(micro[0], micro[1])  # the ranks saw different data
 
 
-def test_sync_flag_set_after_the_forward_is_caught(data_dir, runs, tmp_path):
+def test_sync_flag_set_after_the_forward_is_caught(equiv_data_dir, equiv_runs, tmp_path):
     """build-nanogpt #30: with the flag set after the forward, DDP syncs the first micro-step's
     gradients only. The equivalence check above must see that as a different run."""
-    ranks, steps = probe([*EQUIV, f"--data_dir={data_dir}"], 2, tmp_path, late_toggle=True)
+    ranks, steps = probe([*EQUIV, f"--data_dir={equiv_data_dir}"], 2, tmp_path, late_toggle=True)
     losses = [s["loss"] for s in steps]
-    assert losses[0] == pytest.approx(runs[1]["loss"][0], rel=1e-5)  # the same first forward
+    assert losses[0] == pytest.approx(equiv_runs[1]["loss"][0], rel=1e-5)  # the same first forward
     with pytest.raises(AssertionError):
-        np.testing.assert_allclose(losses, runs[1]["loss"], rtol=1e-5)
+        np.testing.assert_allclose(losses, equiv_runs[1]["loss"], rtol=1e-5)
 
 
 def free_port():
@@ -122,7 +103,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_nodes_with_c10d_rendezvous_match_one_process(data_dir, runs, tmp_path):
+def test_two_nodes_with_c10d_rendezvous_match_one_process(equiv_data_dir, equiv_runs, tmp_path):
     """Two torchrun agents on one machine, as two nodes of one process each: RANK 1 has
     LOCAL_RANK 0."""
     port = free_port()
@@ -130,12 +111,12 @@ def test_two_nodes_with_c10d_rendezvous_match_one_process(data_dir, runs, tmp_pa
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two_nodes",
-         str(ROOT / "train_gpt2.py"), *EQUIV, f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+         str(ROOT / "train_gpt2.py"), *EQUIV, f"--data_dir={equiv_data_dir}", f"--out_dir={tmp_path}",
          "--resume=never"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for _ in range(2)]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
     steps, evals = read_log(tmp_path)
-    np.testing.assert_allclose([s["loss"] for s in steps], runs[1]["loss"], rtol=1e-5)
-    np.testing.assert_allclose([e["val_loss"] for e in evals], runs[1]["val_loss"], rtol=1e-5)
+    np.testing.assert_allclose([s["loss"] for s in steps], equiv_runs[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose([e["val_loss"] for e in evals], equiv_runs[1]["val_loss"], rtol=1e-5)

@@ -205,3 +205,21 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     m2 = torch.load(tmp_path / "two" / "ckpt_0000006.pt", weights_only=True)["model"]
     for name in m1:
         torch.testing.assert_close(m2[name], m1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --- speed accounting -----------------------------------------------------------------------------
+
+def test_flops_per_token_of_gpt2_124m():
+    with torch.device("meta"):
+        model = GPT(Config())
+    n = 124_475_904 - 1024 * 768  # without wpe
+    assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024  # ~0.86 GFLOP
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_flops_by_device_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    assert train_gpt2.peak_flops(torch.device("cuda:0")) == peak
+    assert train_gpt2.peak_flops(torch.device("cpu")) is None

@@ -1,0 +1,148 @@
+"""
+Benchmarks short trainings of one config in several variants and prints one table: tokens/s
+(median of the steps after warm-up), ms/step, MFU, peak GPU memory, and where a step's time goes
+(data, forward and backward, waiting for the gradient all-reduce, optimizer), and the optimizer
+state one rank holds.
+
+    python scripts/bench.py configs/gpt2_124m.toml --nproc 1                  # one GPU
+    python scripts/bench.py configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
+    python scripts/bench.py configs/shakespeare_cpu.toml --nproc 2 --variants eager compile
+    python scripts/bench.py configs/gpt2_124m.toml --variants compile --micro-batch-sizes 16 32 64
+    python scripts/bench.py configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
+
+Each variant is a run of train_gpt2.py (torchrun when --nproc > 1) with the config, the variant's
+overrides, `--profile=true` and the extra `--key=value` arguments given here. Steps 3-5 are
+profiled by torch.profiler (the master's trace is written to {out}/{variant}/trace.json, open it
+in chrome://tracing or perfetto) and give the time split; the tokens/s median is taken over
+the unprofiled steps after them. The all-reduce wait is the extra time of the last micro-step,
+the one that syncs, over the others (so it needs grad_accum_steps > 1; '-' otherwise).
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILED_STEPS = 3  # train_gpt2.py's profiler schedule: wait 2, warm up 1, record 3
+FIRST_TIMED_STEP = 6
+
+VARIANTS = {
+    "eager": ["--compile=false"],
+    "compile": ["--compile=true"],  # DDP(torch.compile(model)), as nanoGPT
+    "compile_ddp": ["--compile=true", "--compile_ddp=true"],  # torch.compile(DDP(model))
+    "ddp": ["--sharding=ddp"],
+    "zero2": ["--sharding=zero2"],
+    "fsdp": ["--sharding=fsdp"],
+}
+
+
+def parse_variant(spec):
+    """'name' from VARIANTS, or 'name:--key=value,--key=value' for a custom one."""
+    name, _, overrides = spec.partition(":")
+    if overrides:
+        return name, overrides.split(",")
+    if name not in VARIANTS:
+        raise SystemExit(f"bench.py: error: unknown variant {name!r}; known: {', '.join(VARIANTS)}, "
+                         f"or write name:--key=value,...")
+    return name, VARIANTS[name]
+
+
+def run(name, overrides, args, train_args):
+    """Trains one variant; returns its log records and the path of the master's trace."""
+    out = Path(args.out_dir) / name
+    if out.exists():
+        shutil.rmtree(out)
+    script = str(ROOT / "train_gpt2.py")
+    launcher = [sys.executable, script] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        script]
+    cmd = [*launcher, *train_args, *overrides, f"--max_steps={FIRST_TIMED_STEP + args.steps}",
+           "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
+           "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench.py: variant {name} failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+    records = [json.loads(line) for line in open(out / "log.jsonl")]
+    for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
+        checkpoint.unlink()
+    return records, out / "trace.json"
+
+
+def time_split(trace_path):
+    """Per-step milliseconds of the loop's record_function ranges in the profiled steps.
+
+    GPU time (gpu_user_annotation) where the trace has it, else CPU time (user_annotation).
+    Returns data, fwd_bwd, allreduce_wait (None without a non-syncing micro-step), optimizer.
+    """
+    events = json.load(open(trace_path))["traceEvents"]
+    cat = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
+           else "user_annotation")
+    durations = {}
+    for e in events:
+        if e.get("cat") == cat and e.get("ph") == "X":
+            durations.setdefault(e["name"], []).append(e["dur"] / 1000)  # us -> ms
+    nosync = durations.get("forward_backward", [])
+    sync = durations.get("forward_backward_sync", [])
+    wait = statistics.mean(sync) - statistics.mean(nosync) if nosync and sync else None
+    fwd_bwd = (sum(nosync) + sum(sync) - (wait or 0) * len(sync)) / PROFILED_STEPS
+    return {"data": sum(durations.get("data", [])) / PROFILED_STEPS, "fwd_bwd": fwd_bwd,
+            "allreduce_wait": max(wait, 0.0) if wait is not None else None,
+            "optimizer": sum(durations.get("optimizer", [])) / PROFILED_STEPS}
+
+
+def summarize(records, trace_path):
+    timed = [r for r in records if "loss" in r and r["step"] >= FIRST_TIMED_STEP]
+    row = {
+        "optimizer_state_mb": records[0]["optimizer_state_bytes"] / 2**20,
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+        "ms_per_step": statistics.median(r["dt_ms"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
+        "mem_gb": max(r["mem_gb"] for r in timed) if "mem_gb" in timed[0] else None,
+    }
+    row.update(time_split(trace_path))
+    return row
+
+
+def print_table(rows):
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    header = (f"{'variant':<22} {'tok/s':>11} {'ms/step':>9} {'MFU':>6} {'mem GB':>7} "
+              f"{'data ms':>8} {'fwd+bwd ms':>10} {'allreduce wait ms':>17} {'optim ms':>8} "
+              f"{'optim state MB':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, r in rows.items():
+        mfu = None if r["mfu"] is None else r["mfu"] * 100
+        print(f"{name:<22} {r['tokens_per_sec']:>11,.0f} {r['ms_per_step']:>9.1f} {fmt(mfu, '5.1f'):>5}% "
+              f"{fmt(r['mem_gb'], '.1f'):>7} {r['data']:>8.1f} {r['fwd_bwd']:>10.1f} "
+              f"{fmt(r['allreduce_wait'], '.1f'):>17} {r['optimizer']:>8.1f} "
+              f"{r['optimizer_state_mb']:>14.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+                                     usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    parser.add_argument("--variants", nargs="+", default=["eager", "compile", "compile_ddp"],
+                        help=f"from {', '.join(VARIANTS)}, or name:--key=value,...")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[],
+                        help="also run the config (with its own compile setting) at these B")
+    parser.add_argument("--out-dir", default="out/bench")
+    args, train_args = parser.parse_known_args()
+    variants = [parse_variant(v) for v in args.variants]
+    variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
+    rows = {}
+    for name, overrides in variants:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows[name] = summarize(*run(name, overrides, args, train_args))
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

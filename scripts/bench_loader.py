@@ -1,0 +1,113 @@
+"""
+Host memory and speed of train_gpt2.DataLoader as the shards grow: its memory should stay flat.
+
+    python scripts/bench_loader.py                             # shards of 1e6, 1e7, 5e7 tokens
+    python scripts/bench_loader.py --sizes 1e6 1e8 --batches 500 --tmp-dir /mnt/scratch
+
+For each size it writes one val and one train shard of random GPT-2 token ids with
+prepare_data.write_shard into a temp dir under --tmp-dir, then, in a fresh Python process (so
+that the peak RSS of one size does not carry over to the next), builds the loader on the train
+split (device cpu) and reads --batches micro-batches of B x T, spread evenly over the whole
+shard, with next_batch(). It reports the peak RSS (VmHWM, see peak_rss_mb) before the loader
+exists, after it is built and after the batches; growth = after - before, so it covers both
+construction and reading. A loader that read a whole shard into RAM would grow by the shard's
+size (x4 as int64). The shards are freshly written, so they are read from the page cache.
+"""
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def peak_rss_mb():
+    """This process's peak RSS in MiB: VmHWM where /proc has it, else getrusage's ru_maxrss.
+
+    On Linux ru_maxrss survives exec, so a child started from a big parent reports the parent's
+    peak (here, the parent that wrote the shards); VmHWM counts this process's own pages only.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def measure(data_dir, B, T, n_batches):
+    """Runs in the fresh process: the loader's RSS and speed on data_dir, as a dict."""
+    import torch
+
+    import train_gpt2
+
+    base = peak_rss_mb()
+    loader = train_gpt2.DataLoader(data_dir, "train", B, T, rank=0, world_size=1,
+                                   device=torch.device("cpu"), vocab_size=50304)
+    built = peak_rss_mb()
+    starts = np.linspace(0, loader.batches_per_epoch - 1, n_batches).astype(int)
+    t0 = time.perf_counter()
+    for g in starts:  # jump to micro-batch g, as a resumed run would, then read it
+        loader.load_state_dict({"batch_index": int(g), "tokens_per_batch": B * T})
+        x, y = loader.next_batch()
+        assert x.shape == (B, T) and y.shape == (B, T)
+    seconds = time.perf_counter() - t0
+    return {"base": base, "built": built, "after": peak_rss_mb(), "seconds": seconds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 5e7],
+                        help="train shard sizes in tokens (default: 1e6 1e7 5e7)")
+    parser.add_argument("--batches", type=int, default=200, help="micro-batches read per size (default: 200)")
+    parser.add_argument("-B", "--batch-size", type=int, default=8, help="B (default: 8)")
+    parser.add_argument("-T", "--seq-len", type=int, default=1024, help="T (default: 1024)")
+    parser.add_argument("--tmp-dir", help="where the shards are written (default: the system temp dir)")
+    parser.add_argument("--measure", metavar="DATA_DIR", help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    B, T = args.batch_size, args.seq_len
+
+    if args.measure:
+        print(json.dumps(measure(args.measure, B, T, args.batches)))
+        return
+
+    from prepare_data import write_shard
+
+    rng = np.random.default_rng(0)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_loader_", dir=args.tmp_dir))
+    rows = []
+    try:
+        for size in map(int, args.sizes):
+            data_dir = tmp / f"size_{size}"
+            data_dir.mkdir()
+            for name, n in (("rand_val_000000.bin", max(size // 10, 1)), ("rand_train_000001.bin", size)):
+                write_shard(data_dir / name, rng.integers(0, 50257, n, dtype=np.uint16))
+            cmd = [sys.executable, __file__, "--measure", str(data_dir), "-B", str(B), "-T", str(T),
+                   "--batches", str(args.batches)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+            rows.append((size, json.loads(proc.stdout.splitlines()[-1])))
+            shutil.rmtree(data_dir)
+    finally:
+        shutil.rmtree(tmp)
+
+    print(f"B={B} T={T}, {args.batches} batches per size, peak RSS (VmHWM) in MiB")
+    print(f"{'shard tokens':>13}{'shard MB':>10}{'RSS before':>12}{'RSS loader':>12}{'RSS after':>11}"
+          f"{'growth':>8}{'batches/s':>11}{'tokens/s':>14}")
+    for size, r in rows:  # MB columns are MiB
+        rate = args.batches / r["seconds"]
+        print(f"{size:>13,}{2 * size / 2**20:>10.1f}{r['base']:>12.1f}{r['built']:>12.1f}{r['after']:>11.1f}"
+              f"{r['after'] - r['base']:>8.1f}{rate:>11,.0f}{rate * B * T:>14,.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""scripts/bench.py on a tiny CPU config: every variant runs, is profiled, and gets a table row."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, TINY, make_shards
+
+
+def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
+    make_shards(tmp_path / "data", n_train=20000)
+    args = [arg for arg in TINY if not arg.startswith("--compile")]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", *args, f"--data_dir={tmp_path}/data",
+         "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
+         "compile", "compile_ddp", "--micro-batch-sizes", "1", "--out-dir", str(tmp_path / "bench")],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:4] == ["variant", "tok/s", "ms/step", "MFU"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {"eager", "compile", "compile_ddp", "B=1"}
+    for row in rows.values():
+        tokens_per_sec, ms_per_step = float(row[1].replace(",", "")), float(row[2])
+        assert tokens_per_sec > 0 and ms_per_step > 0
+        assert row[3] == "-%" and row[4] == "-"  # no MFU or GPU memory on a CPU
+        data_ms, fwd_bwd_ms, wait_ms, optim_ms = map(float, row[5:9])
+        assert fwd_bwd_ms > 0 and optim_ms > 0 and wait_ms >= 0
+    # the trace of the profiled steps has the loop's ranges and gloo's all-reduces
+    trace = json.load(open(tmp_path / "bench" / "eager" / "trace.json"))["traceEvents"]
+    names = {e.get("name") for e in trace}
+    assert {"data", "forward_backward", "forward_backward_sync", "optimizer"} <= names
+    assert any("allreduce" in str(n) or "all_reduce" in str(n) for n in names)

@@ -1,0 +1,55 @@
+"""Smoke tests of scripts/bench_tokenizer.py and scripts/bench_loader.py, run as a user would."""
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def run_script(name, *args):
+    """stdout of `python scripts/{name} args`; fails with the output if the script failed."""
+    cmd = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def table(stdout, first_header_word):
+    """The header's columns and the rows (lists of cells) of the table that follows it."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first_header_word])
+    return lines[start], [line.split() for line in lines[start + 1:] if line.strip()]
+
+
+def number(cell):
+    return float(cell.replace(",", ""))
+
+
+def test_bench_tokenizer():
+    out = run_script("bench_tokenizer.py", "--repeat", 1, "--trials", 1, "--workers", 1, 2)
+    header, rows = table(out, "method")
+    assert header.split() == ["method", "workers", "tokens", "seconds", "tokens/s", "ratio"]
+    assert [(r[0], r[1]) for r in rows] == [("tiktoken", "1"), ("prepare_data", "1"),
+                                            ("tiktoken", "2"), ("prepare_data", "2")]
+    n_docs = int(out.split()[0])  # "N documents, ..."
+    for tik, pd in (rows[0:2], rows[2:4]):
+        assert number(pd[2]) == number(tik[2]) + n_docs  # one <|endoftext|> per document
+        assert number(tik[4]) > 0 and number(pd[4]) > 0
+        assert abs(number(pd[5]) - number(pd[4]) / number(tik[4])) < 0.02
+
+
+def test_bench_loader_memory_stays_flat(tmp_path):
+    # 4e7 tokens = 76 MiB of uint16: a loader holding the shard in RAM would grow by >= 76 MiB
+    # (305 MiB as int64), far above the bound of 25% of it; the real loader grows by a few MiB
+    out = run_script("bench_loader.py", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp-dir", tmp_path)
+    header, rows = table(out, "shard")
+    assert header.split() == ["shard", "tokens", "shard", "MB", "RSS", "before", "RSS", "loader",
+                              "RSS", "after", "growth", "batches/s", "tokens/s"]
+    assert [number(r[0]) for r in rows] == [1e6, 4e7]
+    largest_mb = max(number(r[1]) for r in rows)
+    for r in rows:
+        before, after, growth = number(r[2]), number(r[4]), number(r[5])
+        assert abs(growth - (after - before)) < 0.2
+        assert growth < 0.25 * largest_mb, f"loader RSS grew by {growth} MiB:\n{out}"
+        assert number(r[7]) > 0
+    assert not any(tmp_path.iterdir())  # the shards were cleaned up

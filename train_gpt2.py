@@ -457,8 +457,12 @@ class ZeRO2AdamW:
                 p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
             shard_groups.append({**group, "params": [self.shards[p] for p in group["params"]]})
         self.optimizer = torch.optim.AdamW(shard_groups, **adamw_kwargs)
-        self.param_groups = self.optimizer.param_groups  # where the schedule sets lr
         self.pending = []  # (parameter, reduce-scatter work), in the order the backward ran
+
+    @property
+    def param_groups(self):
+        """Where the schedule sets lr; a property, as load_state_dict replaces the list."""
+        return self.optimizer.param_groups
 
     def padded(self, t):
         """t flattened and zero-padded to a multiple of world_size elements."""
@@ -491,6 +495,9 @@ class ZeRO2AdamW:
             work.wait()
             p.grad = None  # the full gradient is no longer needed: ZeRO-2's memory saving
         self.pending = []
+        with torch.no_grad():  # the full weights are the truth (a checkpoint loads into them)
+            for p, shard in self.shards.items():
+                shard.copy_(self.shard_of(p))
         shards = list(self.shards.values())
         norm_sq = torch.stack([s.grad.float().pow(2).sum() for s in shards]).sum()
         dist.all_reduce(norm_sq)

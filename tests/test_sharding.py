@@ -71,8 +71,7 @@ def test_optimizer_state_per_rank_shrinks_with_the_world_size(equiv_data_dir, tm
             out = tmp_path / f"{mode}_{n}"
             run_training([*EQUIV, f"--data_dir={equiv_data_dir}", f"--sharding={mode}", "--max_steps=1",
                           f"--out_dir={out}"], nproc=n if n > 1 else None)
-            first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
-            bytes_per_rank[mode, n] = first["optimizer_state_bytes"]
+            bytes_per_rank[mode, n] = read_log(out)[0][0]["optimizer_state_bytes"]
     full = bytes_per_rank["ddp", 1]
     for n in (1, 2, 4):
         assert bytes_per_rank["ddp", n] == full

@@ -58,8 +58,11 @@ def wait_for_step(out_dir, step, proc, timeout=120):
 def torchrun(args, nproc, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *extra, str(ROOT / "train_gpt2.py"), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # as scripts/train_resilient.sh: restarted workers must not read the dead ones' addresses
+    # from the rendezvous store that torchrun shares with them (pytorch/pytorch#135712)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, uninterrupted, tmp_path):

@@ -449,7 +449,6 @@ class ZeRO2AdamW:
     def __init__(self, param_groups, rank, world_size, **adamw_kwargs):
         self.rank, self.world_size = rank, world_size
         self.require_backward_grad_sync = True  # as DDP's flag: set before each forward
-        self.params = [p for group in param_groups for p in group["params"]]
         self.shards = {}  # parameter -> this rank's slice of it, which the inner AdamW updates
         shard_groups = []
         for group in param_groups:
@@ -485,10 +484,10 @@ class ZeRO2AdamW:
                                           async_op=True)
         self.pending.append((p, work))
 
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
+    def zero_grad(self):
+        for p in self.shards:
             p.grad = None
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
 
     def step(self, max_norm):
         """Clips to max_norm and updates; returns the full gradient's norm before clipping."""
@@ -507,7 +506,7 @@ class ZeRO2AdamW:
         torch._foreach_mul_([s.grad for s in shards], clip_coef)
         self.optimizer.step()
         gathers = []
-        for p in self.params:
+        for p in self.shards:
             full = torch.empty(self.padded(p).numel(), dtype=p.dtype, device=p.device)
             gathers.append((p, full, dist.all_gather_single(full, self.shards[p], async_op=True)))
         with torch.no_grad():
@@ -519,7 +518,7 @@ class ZeRO2AdamW:
     def state_dict(self):
         inner = self.optimizer.state_dict()
         state = {}
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.shards):  # in param_groups order, as AdamW numbers them
             if i not in inner["state"]:
                 continue
             state[i] = {"step": inner["state"][i]["step"]}
@@ -799,7 +798,7 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
             sample(step)  # on every rank, for FSDP's all-gathers; the master prints
 
         t0 = time.time()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         loss_accum = torch.zeros((), device=device)
         for micro_step in range(grad_accum_steps):
             last_micro_step = micro_step == grad_accum_steps - 1

@@ -22,10 +22,8 @@ RUN = [*TINY, "--total_batch_size=256", f"--max_steps={STEPS}", "--checkpoint_in
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    make_shards(path, n_train=20000)
-    return path
+def data_dir(equiv_data_dir):
+    return equiv_data_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ Two nodes of 8 GPUs each, run on both nodes:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=gpt2 train_gpt2.py configs/gpt2_124m.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
+Sharded AdamW state (ZeRO-2, written out below) or sharded parameters too (FSDP2):
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=fsdp
 
 The promise: a run on N processes is the run on one. The global batch is split into micro-batches
 numbered across ranks, micro-batch m of a step goes to rank m % world_size, and dropout draws from
@@ -20,8 +23,8 @@ a random state derived from (seed, step, m) alone. So world size changes only th
 
 import ctypes
 import dataclasses
-import gc
 import difflib
+import gc
 import hashlib
 import json
 import math

@@ -872,6 +872,11 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__ + "\nConfig keys and their defaults:")
+        for field in dataclasses.fields(Config):
+            print(f"  --{field.name}={field.default}")
+        sys.exit(0)
     try:
         main(sys.argv[1:])
     except UserError as e:

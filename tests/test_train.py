@@ -55,6 +55,13 @@ def test_every_config_key_passes_through_torchrun():
         assert args.training_script_args == [arg], field
 
 
+def test_help_lists_every_key():
+    out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    for field in Config.__dataclass_fields__:
+        assert f"--{field}=" in out
+
+
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.toml")):
         load_config([str(path)])

@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
@@ -101,6 +102,9 @@ class Config:
     seed: int = 1337
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
     sharding: str = "ddp"  # ddp: replicas; zero2: shard AdamW state; fsdp: shard params too (FSDP2)
+    bucket_cap_mb: int = 25  # ddp: gradients are all-reduced in buckets of this size
+    gradient_as_bucket_view: bool = False  # ddp: gradients live in the buckets, saving a copy
+    grad_compression: str = "none"  # ddp: bf16 all-reduces half the bytes (NCCL only)
     compile: bool = True
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
@@ -163,6 +167,9 @@ def load_config(argv):
     config = Config(**kwargs)
     if config.sharding not in ("ddp", "zero2", "fsdp"):
         raise UserError(f"config key 'sharding' must be ddp, zero2 or fsdp, got {config.sharding!r}")
+    if config.grad_compression not in ("none", "bf16"):
+        raise UserError(f"config key 'grad_compression' must be none or bf16, "
+                        f"got {config.grad_compression!r}")
     if config.resume not in ("auto", "never"):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {config.resume!r}")
     if config.seq_len > config.block_size:
@@ -641,7 +648,14 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     if config.compile and not config.compile_ddp:
         model = torch.compile(model)
     if ddp:
-        model = ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                                bucket_cap_mb=config.bucket_cap_mb,
+                                gradient_as_bucket_view=config.gradient_as_bucket_view)
+        if config.grad_compression == "bf16":
+            if device.type != "cuda":
+                raise UserError("grad_compression=bf16 needs NCCL (CUDA devices); gloo cannot "
+                                "reduce bf16: use grad_compression=none on CPU")
+            ddp_model.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
     if config.compile and config.compile_ddp:
         model = torch.compile(model)
     flops_per_step = raw_model.flops_per_token(T) * config.total_batch_size

@@ -230,3 +230,21 @@ def test_peak_flops_by_device_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
     assert train_gpt2.peak_flops(torch.device("cuda:0")) == peak
     assert train_gpt2.peak_flops(torch.device("cpu")) is None
+
+
+def test_ddp_bucket_options_train_the_same_model(tiny_data, tmp_path):
+    common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=4", "--bias=false"]
+    run_training([*common, f"--out_dir={tmp_path}/default"], nproc=2)
+    run_training([*common, f"--out_dir={tmp_path}/view", "--gradient_as_bucket_view=true",
+                  "--bucket_cap_mb=1"], nproc=2)
+    np.testing.assert_allclose([s["loss"] for s in read_log(tmp_path / "view")[0]],
+                               [s["loss"] for s in read_log(tmp_path / "default")[0]], rtol=1e-6)
+
+
+def test_bf16_gradient_compression_is_refused_on_gloo(tiny_data, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "train_gpt2.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+         "--total_batch_size=128", "--grad_compression=bf16"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "grad_compression=bf16 needs NCCL" in proc.stderr

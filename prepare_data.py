@@ -26,6 +26,7 @@ little-endian uint16.
 """
 
 import argparse
+import collections
 import functools
 import glob
 import hashlib
@@ -128,22 +129,30 @@ def write_shard(path, tokens):
         raise
 
 
-def _tokenize_doc(text):
-    """<|endoftext|> + the document's tokens, as a uint16 array (compact to send between processes)."""
-    return np.array([EOT_TOKEN] + gpt2_encoding().encode_ordinary(text), dtype=np.uint16)
+def _tokenize_docs(texts):
+    """<|endoftext|> + tokens of each document, all concatenated into one uint16 array (compact
+    to send between processes)."""
+    encode = gpt2_encoding().encode_ordinary
+    return np.concatenate([np.array([EOT_TOKEN, *encode(text)], dtype=np.uint16) for text in texts])
 
 
-def _tokenized(texts, workers):
-    """Yield the token array of each document of `texts`, in input order."""
-    if workers == 1:
-        yield from map(_tokenize_doc, texts)
-        return
+def _tokenized(texts, workers, docs_per_task=256):
+    """Yield token arrays, each the documents of one batch of `texts`, in input order."""
     texts = iter(texts)
+    batches = iter(lambda: list(itertools.islice(texts, docs_per_task)), [])
+    if workers == 1:
+        yield from map(_tokenize_docs, batches)
+        return
     with multiprocessing.Pool(workers) as pool:
-        # Pool.imap would pull the whole input into its task queue whenever reading is
-        # faster than tokenizing; feeding it bounded batches keeps memory flat.
-        while batch := list(itertools.islice(texts, workers * 256)):
-            yield from pool.imap(_tokenize_doc, batch, chunksize=16)
+        # a bounded window of tasks in flight: memory stays flat however long the input, the
+        # workers never wait for a whole round to finish, and results come back in order
+        in_flight = collections.deque()
+        for batch in batches:
+            in_flight.append(pool.apply_async(_tokenize_docs, (batch,)))
+            if len(in_flight) > 2 * workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
 
 
 def _texts(sources, field):

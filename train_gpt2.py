@@ -484,13 +484,20 @@ class ZeRO2AdamW:
         n = flat.numel() // self.world_size
         return flat[self.rank * n:(self.rank + 1) * n]
 
+    def gather(self, shard, like):
+        """Launches the all-gather of every rank's `shard` of a tensor shaped as `like`; returns
+        the work and the full tensor, which holds the result once the work is waited on."""
+        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        work = dist.all_gather_single(full, shard, async_op=True)
+        return work, full[:like.numel()].view_as(like)
+
     def reduce_scatter_grad(self, p):
         if not self.require_backward_grad_sync:
             return
         shard = self.shards[p]
         shard.grad = torch.empty_like(shard)
         # divide before summing, as DDP does, so the two modes round alike
-        work = dist.reduce_scatter_single(shard.grad, self.padded(p.grad) / self.world_size,
+        work = dist.reduce_scatter_single(shard.grad, self.padded(p.grad).div_(self.world_size),
                                           async_op=True)
         self.pending.append((p, work))
 
@@ -505,9 +512,6 @@ class ZeRO2AdamW:
             work.wait()
             p.grad = None  # the full gradient is no longer needed: ZeRO-2's memory saving
         self.pending = []
-        with torch.no_grad():  # the full weights are the truth (a checkpoint loads into them)
-            for p, shard in self.shards.items():
-                shard.copy_(self.shard_of(p))
         shards = list(self.shards.values())
         norm_sq = torch.stack([s.grad.float().pow(2).sum() for s in shards]).sum()
         dist.all_reduce(norm_sq)
@@ -515,14 +519,11 @@ class ZeRO2AdamW:
         clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
         torch._foreach_mul_([s.grad for s in shards], clip_coef)
         self.optimizer.step()
-        gathers = []
-        for p in self.shards:
-            full = torch.empty(self.padded(p).numel(), dtype=p.dtype, device=p.device)
-            gathers.append((p, full, dist.all_gather_single(full, self.shards[p], async_op=True)))
+        gathers = [(p, *self.gather(shard, p)) for p, shard in self.shards.items()]
         with torch.no_grad():
-            for p, full, work in gathers:
+            for p, work, full in gathers:
                 work.wait()
-                p.copy_(full[:p.numel()].view_as(p))
+                p.copy_(full)
         return norm
 
     def state_dict(self):
@@ -533,14 +534,16 @@ class ZeRO2AdamW:
                 continue
             state[i] = {"step": inner["state"][i]["step"]}
             for key in ("exp_avg", "exp_avg_sq"):
-                shard = inner["state"][i][key]
-                full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype,
-                                   device=shard.device)
-                dist.all_gather_single(full, shard)
-                state[i][key] = full[:p.numel()].view_as(p).clone()
+                work, full = self.gather(inner["state"][i][key], p)
+                work.wait()
+                state[i][key] = full.clone()  # without the padding
         return {"state": state, "param_groups": inner["param_groups"]}
 
     def load_state_dict(self, full_state):
+        """Call it after loading the model's weights: the slices are taken from them."""
+        with torch.no_grad():
+            for p, shard in self.shards.items():
+                shard.copy_(self.shard_of(p))
         state = {i: {"step": s["step"], "exp_avg": self.shard_of(s["exp_avg"]).clone(),
                      "exp_avg_sq": self.shard_of(s["exp_avg_sq"]).clone()}
                  for i, s in full_state["state"].items()}

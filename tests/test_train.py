@@ -232,6 +232,30 @@ def test_peak_flops_by_device_name(monkeypatch, name, peak):
     assert train_gpt2.peak_flops(torch.device("cpu")) is None
 
 
+def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path, capsys):
+    """On a GPU in PEAK_BF16_FLOPS each step logs mfu = FLOPs per step / dt / peak; here a CPU
+    stands in, given a made-up peak, since CI has no GPU."""
+    peak = 1e9
+    monkeypatch.setattr(train_gpt2, "peak_flops", lambda device: peak)
+    train_gpt2.main([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                     "--total_batch_size=64", "--max_steps=3"])
+    steps, _ = read_log(tmp_path)
+    with torch.device("meta"):
+        flops_per_step = GPT(load_config(TINY)).flops_per_token(16) * 64
+    for s in steps:
+        assert s["mfu"] == pytest.approx(flops_per_step / (s["dt_ms"] / 1000) / peak, rel=1e-9)
+    out = capsys.readouterr().out
+    assert out.count("| mfu: ") == 3 and "MFU not reported" not in out
+
+
+def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys):
+    train_gpt2.main([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                     "--total_batch_size=64", "--max_steps=2"])
+    steps, _ = read_log(tmp_path)
+    assert all("mfu" not in s for s in steps)
+    out = capsys.readouterr().out
+    assert out.count("MFU not reported") == 1 and "| mfu: " not in out
+
 def test_ddp_bucket_options_train_the_same_model(tiny_data, tmp_path):
     common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=4", "--bias=false"]
     run_training([*common, f"--out_dir={tmp_path}/default"], nproc=2)

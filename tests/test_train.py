@@ -256,6 +256,7 @@ def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys)
     out = capsys.readouterr().out
     assert out.count("MFU not reported") == 1 and "| mfu: " not in out
 
+
 def test_ddp_bucket_options_train_the_same_model(tiny_data, tmp_path):
     common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=4", "--bias=false"]
     run_training([*common, f"--out_dir={tmp_path}/default"], nproc=2)

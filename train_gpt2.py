@@ -105,6 +105,7 @@ class Config:
     bucket_cap_mb: int = 25  # ddp: gradients are all-reduced in buckets of this size
     gradient_as_bucket_view: bool = False  # ddp: gradients live in the buckets, saving a copy
     grad_compression: str = "none"  # ddp: bf16 all-reduces half the bytes (NCCL only)
+    exact_reduction: bool = False  # sum gradients and losses in float64: the same bits at any world size
     compile: bool = True
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
@@ -170,6 +171,9 @@ def load_config(argv):
     if config.grad_compression not in ("none", "bf16"):
         raise UserError(f"config key 'grad_compression' must be none or bf16, "
                         f"got {config.grad_compression!r}")
+    if config.exact_reduction and config.grad_compression != "none":
+        raise UserError("exact_reduction sums gradients in float64 and grad_compression rounds them "
+                        "to bf16: turn one of them off")
     if config.resume not in ("auto", "never"):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {config.resume!r}")
     if config.seq_len > config.block_size:
@@ -435,6 +439,25 @@ def derived_seed(*parts):
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def clip_grad_norm(grads, max_norm, sharded):
+    """Scales grads in place so that their total 2-norm is at most max_norm, as
+    torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), capped at 1);
+    returns the norm before clipping, a float32 scalar tensor.
+
+    The squares are summed in float64, and `sharded` grads (this rank's slices of the gradient)
+    over ranks too, so the norm comes out the same however the gradient is split into tensors,
+    slices and ranks: the sharding modes and world sizes clip alike.
+    """
+    dtype = torch.float32 if grads[0].device.type == "mps" else torch.float64  # MPS has no float64
+    norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in grads]
+    norm_sq = torch.stack(norms).pow(2).sum()
+    if sharded:
+        dist.all_reduce(norm_sq)
+    norm = norm_sq.sqrt().float()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 # -----------------------------------------------------------------------------
 # Sharded optimizer: AdamW with state and update split over ranks (ZeRO-2)
 
@@ -450,14 +473,16 @@ class ZeRO2AdamW:
     as autograd has finished it, so communication overlaps the rest of the backward. step()
     waits on them in the order the backward made them, clips by the norm of the full gradient
     (summed over ranks), updates the slices with torch.optim.AdamW (the same arithmetic as ddp
-    mode) and all-gathers the new slices into every rank's full parameters.
+    mode) and all-gathers the new slices into every rank's full parameters. With `exact`, the
+    micro-steps' gradients are summed in float64 and reduce-scattered as float64 sums (see
+    DDPMode), then cast to float32 once.
 
     state_dict()/load_state_dict() use the full, unsharded state in torch.optim.AdamW's format,
     so a checkpoint resumes at any world size. Both are collectives: every rank calls them.
     """
 
-    def __init__(self, param_groups, rank, world_size, **adamw_kwargs):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, param_groups, rank, world_size, exact, **adamw_kwargs):
+        self.rank, self.world_size, self.exact = rank, world_size, exact
         self.require_backward_grad_sync = True  # as DDP's flag: set before each forward
         self.shards = {}  # parameter -> this rank's slice of it, which the inner AdamW updates
         shard_groups = []
@@ -467,7 +492,8 @@ class ZeRO2AdamW:
                 p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
             shard_groups.append({**group, "params": [self.shards[p] for p in group["params"]]})
         self.optimizer = torch.optim.AdamW(shard_groups, **adamw_kwargs)
-        self.pending = []  # (parameter, reduce-scatter work), in the order the backward ran
+        self.grads64 = {}  # exact: parameter -> float64 sum of this step's earlier micro-steps
+        self.pending = []  # (parameter, reduced slice, work), in the order the backward ran
 
     @property
     def param_groups(self):
@@ -492,14 +518,18 @@ class ZeRO2AdamW:
         return work, full[:like.numel()].view_as(like)
 
     def reduce_scatter_grad(self, p):
-        if not self.require_backward_grad_sync:
+        if self.exact:
+            grad = self.grads64.pop(p, 0) + p.grad.double()
+            if not self.require_backward_grad_sync:
+                self.grads64[p], p.grad = grad, None
+                return
+        elif not self.require_backward_grad_sync:
             return
-        shard = self.shards[p]
-        shard.grad = torch.empty_like(shard)
-        # divide before summing, as DDP does, so the two modes round alike
-        work = dist.reduce_scatter_single(shard.grad, self.padded(p.grad).div_(self.world_size),
-                                          async_op=True)
-        self.pending.append((p, work))
+        else:
+            grad = p.grad / self.world_size  # divide before summing, as DDP does, to round alike
+        reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
+        work = dist.reduce_scatter_single(reduced, self.padded(grad), async_op=True)
+        self.pending.append((p, reduced, work))
 
     def zero_grad(self):
         for p in self.shards:
@@ -508,16 +538,12 @@ class ZeRO2AdamW:
 
     def step(self, max_norm):
         """Clips to max_norm and updates; returns the full gradient's norm before clipping."""
-        for p, work in self.pending:  # in backward order: the earliest launched finish first
+        for p, reduced, work in self.pending:  # in backward order: the earliest launched finish first
             work.wait()
+            self.shards[p].grad = reduced.float()
             p.grad = None  # the full gradient is no longer needed: ZeRO-2's memory saving
         self.pending = []
-        shards = list(self.shards.values())
-        norm_sq = torch.stack([s.grad.float().pow(2).sum() for s in shards]).sum()
-        dist.all_reduce(norm_sq)
-        norm = norm_sq.sqrt()
-        clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
-        torch._foreach_mul_([s.grad for s in shards], clip_coef)
+        norm = clip_grad_norm([s.grad for s in self.shards.values()], max_norm, sharded=True)
         self.optimizer.step()
         gathers = [(p, *self.gather(shard, p)) for p, shard in self.shards.items()]
         with torch.no_grad():
@@ -548,6 +574,166 @@ class ZeRO2AdamW:
                      "exp_avg_sq": self.shard_of(s["exp_avg_sq"]).clone()}
                  for i, s in full_state["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
+
+
+# -----------------------------------------------------------------------------
+# Sharding modes: everything that differs between ddp, zero2 and fsdp, in one place
+
+
+class DDPMode:
+    """sharding=ddp: every rank holds the whole model, its gradients and AdamW state, and DDP
+    all-reduces the gradients, bucketed and overlapped with the backward. One process started
+    without torchrun trains without DDP.
+
+    Every mode gives the loop the same handles: `model` (what the forward runs on), `optimizer`
+    (whose param_groups the schedule sets), set_grad_sync(sync) before each micro-step's forward,
+    clip_and_step(max_norm) after the last backward, and state_dict()/load_state_dict(model,
+    optimizer) with the full, unsharded state for checkpoints (collectives in the sharded modes:
+    every rank calls them).
+
+    exact_reduction: a post-accumulate-grad hook moves each micro-step's float32 gradient into a
+    float64 sum; on the syncing micro-step a comm hook adds the fresh gradient, all-reduces the
+    float64 sums (SUM: the loss was divided by the step's micro-batches over all ranks) and casts
+    to float32 once. Sums of float32 values taken in float64 are exact, or round to the same
+    float32 whatever their order, so every world size gets the same bits.
+    """
+
+    def __init__(self, raw_model, config, rank, world_size, device):
+        self.raw_model, self.config, self.sync = raw_model, config, True
+        self.ddp_model = None
+        self.grads64 = {}  # exact: parameter -> float64 sum of this step's earlier micro-steps
+        self.model = self.wrap(raw_model, device)
+        # AdamW, weight decay on matmul and embedding weights (2-D), not biases or norms
+        params = [p for p in raw_model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        adamw_kwargs = dict(lr=config.max_lr, betas=(config.beta1, config.beta2), eps=1e-8,
+                            fused=device.type == "cuda")
+        self.optimizer = self.make_optimizer(groups, rank, world_size, adamw_kwargs)
+
+    def wrap(self, model, device):
+        config = self.config
+        # DDP(compile(model)) compiles one graph for forward and backward; compile(DDP(model)) lets
+        # DDPOptimizer split it at bucket boundaries so all-reduces can start during the backward
+        if config.compile and not config.compile_ddp:
+            model = torch.compile(model)
+        if dist.is_initialized():  # launched by torchrun
+            model = self.ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                                         bucket_cap_mb=config.bucket_cap_mb,
+                                         gradient_as_bucket_view=config.gradient_as_bucket_view)
+            if config.grad_compression == "bf16":
+                if device.type != "cuda":
+                    raise UserError("grad_compression=bf16 needs NCCL (CUDA devices); gloo cannot "
+                                    "reduce bf16: use grad_compression=none on CPU")
+                self.ddp_model.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+            elif config.exact_reduction:
+                self.ddp_model.register_comm_hook(None, self.all_reduce_float64)
+        if config.exact_reduction:
+            for p in self.raw_model.parameters():
+                p.register_post_accumulate_grad_hook(self.accumulate_float64)
+        if config.compile and config.compile_ddp:
+            model = torch.compile(model)
+        return model
+
+    def make_optimizer(self, groups, rank, world_size, adamw_kwargs):
+        return torch.optim.AdamW(groups, **adamw_kwargs)
+
+    def set_grad_sync(self, sync):
+        self.sync = sync
+        if self.ddp_model is not None:
+            self.ddp_model.require_backward_grad_sync = sync
+
+    def accumulate_float64(self, p):
+        """exact_reduction: adds p.grad to the step's float64 sum. On the syncing micro-step DDP's
+        comm hook takes the sum over; one process without DDP casts it to p.grad here."""
+        if self.sync and self.ddp_model is not None:
+            return
+        grad = self.grads64.pop(p, 0) + p.grad.double()
+        if self.sync:
+            p.grad = grad.float()
+        else:
+            self.grads64[p], p.grad = grad, None
+
+    def all_reduce_float64(self, _, bucket):
+        """DDP comm hook of exact_reduction: the bucket's gradients plus their float64 sums of the
+        earlier micro-steps, summed over ranks in float64, cast to float32 once."""
+        flat = torch.cat([(self.grads64.pop(p, 0) + g.double()).view(-1)
+                          for p, g in zip(bucket.parameters(), bucket.gradients())])
+        work = dist.all_reduce(flat, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0].float())
+
+    def clip_and_step(self, max_norm):
+        """Clips the gradient to max_norm and updates; returns the norm before clipping."""
+        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
+        norm = clip_grad_norm(grads, max_norm, sharded=False)
+        self.optimizer.step()
+        return norm
+
+    def state_dict(self):
+        return self.raw_model.state_dict(), self.optimizer.state_dict()
+
+    def load_state_dict(self, model_state, optimizer_state):
+        self.raw_model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)  # after the weights: zero2 slices them
+
+
+class ZeRO2Mode(DDPMode):
+    """sharding=zero2: whole weights and gradients on every rank, AdamW state and update sharded
+    (ZeRO2AdamW, which reduce-scatters the gradients itself: no DDP wrapper)."""
+
+    def wrap(self, model, device):
+        return torch.compile(model) if self.config.compile else model
+
+    def make_optimizer(self, groups, rank, world_size, adamw_kwargs):
+        return ZeRO2AdamW(groups, rank, world_size, self.config.exact_reduction, **adamw_kwargs)
+
+    def set_grad_sync(self, sync):
+        self.optimizer.require_backward_grad_sync = sync
+
+    def clip_and_step(self, max_norm):
+        return self.optimizer.step(max_norm)
+
+
+class FSDPMode(DDPMode):
+    """sharding=fsdp: FSDP2's fully_shard on each block and on the root (wte/lm_head tied, wpe,
+    ln_f), bf16 parameters on CUDA: each group's weights are all-gathered just before its forward
+    and backward, its gradients reduce-scattered after. exact_reduction: FSDP accumulates the
+    unsynced micro-steps' gradients in its reduce dtype, float64, and reduce-scatters sums."""
+
+    def wrap(self, model, device):
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+            reduce_dtype=torch.float64 if self.config.exact_reduction else torch.float32)
+        for module in [*model.transformer.h, model]:
+            fully_shard(module, mp_policy=mp_policy)
+            if self.config.exact_reduction:
+                module.set_gradient_divide_factor(1.0)  # the loss is divided by all micro-batches
+        return torch.compile(model) if self.config.compile else model
+
+    def set_grad_sync(self, sync):
+        self.raw_model.set_requires_gradient_sync(sync)
+
+    def clip_and_step(self, max_norm):
+        grads = [p.grad.to_local() for p in self.raw_model.parameters() if p.grad is not None]
+        norm = clip_grad_norm(grads, max_norm, sharded=True)
+        self.optimizer.step()
+        return norm
+
+    def state_dict(self):
+        """Full state dicts keyed by parameter name (torch.distributed.checkpoint)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.raw_model, options=options),
+                get_optimizer_state_dict(self.raw_model, self.optimizer, options=options))
+
+    def load_state_dict(self, model_state, optimizer_state):
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.raw_model, model_state, options=options)
+        set_optimizer_state_dict(self.raw_model, self.optimizer, optimizer_state, options=options)
+
+
+SHARDING_MODES = {"ddp": DDPMode, "zero2": ZeRO2Mode, "fsdp": FSDPMode}
 
 
 # -----------------------------------------------------------------------------
@@ -590,6 +776,15 @@ def main(argv):
     else:
         device = config.device
     device = torch.device(device)
+    if config.exact_reduction:  # bitwise runs need kernels that round alike, too
+        if device.type == "mps":
+            raise UserError("exact_reduction sums in float64, which MPS lacks: pass --device=cpu "
+                            "or --exact_reduction=false")
+        if device.type == "cuda":  # no atomics; cuBLAS needs a fixed workspace for that
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)  # CPU kernels split sums by thread: one, as torchrun's workers
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu":
@@ -601,8 +796,7 @@ def main(argv):
     elif config.sharding != "ddp":  # the sharded modes' collectives need a group, even of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        train(config, rank, local_rank, world_size, master_process, device,
-              ddp=launched and config.sharding == "ddp")
+        train(config, rank, world_size, master_process, device)
     finally:
         if dist.is_initialized():
             # free what still refers to the group (FSDP's and gloo's work objects, in reference
@@ -612,7 +806,7 @@ def main(argv):
             dist.destroy_process_group()
 
 
-def train(config, rank, local_rank, world_size, master_process, device, ddp):
+def train(config, rank, world_size, master_process, device):
     def log(*args):
         if master_process:
             print(*args, flush=True)
@@ -625,6 +819,12 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
             f"seq_len * world_size = {B}*{T}*{world_size} = {tokens_per_micro_step}; change "
             f"total_batch_size or micro_batch_size")
     grad_accum_steps = config.total_batch_size // tokens_per_micro_step
+    micro_batches_per_step = grad_accum_steps * world_size
+    # Gradients sum to the mean over the step's micro-batches. By default each rank divides by its
+    # own micro-batches and DDP averages over ranks; exact_reduction sums over ranks in float64 what
+    # one process would sum, so every micro-batch's loss is divided alike at every world size.
+    loss_divisor = micro_batches_per_step if config.exact_reduction else grad_accum_steps
+    sum_dtype = torch.float64 if config.exact_reduction else torch.float32
     log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
         f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
 
@@ -639,45 +839,12 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     if config.compile and config.dropout > 0:
         # compiled dropout draws other masks than eager unless it falls back to eager RNG
         torch._inductor.config.fallback_random = True
-    model = raw_model
-    if config.sharding == "fsdp":  # each block's parameters are all-gathered just before its use
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32)
-        for block in raw_model.transformer.h:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(raw_model, mp_policy=mp_policy)  # the rest, wte/lm_head tied, in one group
-    # DDP(compile(model)) compiles one graph for forward and backward; compile(DDP(model)) lets
-    # DDPOptimizer split it at bucket boundaries so all-reduces can start during the backward
-    if config.compile and not config.compile_ddp:
-        model = torch.compile(model)
-    if ddp:
-        model = ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                                bucket_cap_mb=config.bucket_cap_mb,
-                                gradient_as_bucket_view=config.gradient_as_bucket_view)
-        if config.grad_compression == "bf16":
-            if device.type != "cuda":
-                raise UserError("grad_compression=bf16 needs NCCL (CUDA devices); gloo cannot "
-                                "reduce bf16: use grad_compression=none on CPU")
-            ddp_model.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
-    if config.compile and config.compile_ddp:
-        model = torch.compile(model)
+    mode = SHARDING_MODES[config.sharding](raw_model, config, rank, world_size, device)
+    model, optimizer = mode.model, mode.optimizer
     flops_per_step = raw_model.flops_per_token(T) * config.total_batch_size
     peak = peak_flops(device)
     if peak is None:
         log(f"MFU not reported: no peak FLOP/s known for {device} (see PEAK_BF16_FLOPS)")
-
-    # Optimizer: AdamW, weight decay on matmul and embedding weights (2-D), not biases or norms
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    adamw_kwargs = dict(lr=config.max_lr, betas=(config.beta1, config.beta2), eps=1e-8,
-                        fused=device.type == "cuda")
-    if config.sharding == "zero2":
-        optimizer = ZeRO2AdamW(groups, rank, world_size, **adamw_kwargs)
-    else:
-        optimizer = torch.optim.AdamW(groups, **adamw_kwargs)
 
     def get_lr(step):
         """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (GPT-3 paper, B.1)."""
@@ -717,13 +884,7 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
                 f"checkpoint {checkpoints[-1]} is of another model: "
                 + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
                 + "; use the checkpoint's model config, another out_dir, or resume=never")
-        if config.sharding == "fsdp":
-            options = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(raw_model, ckpt["model"], options=options)
-            set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
-        else:
-            raw_model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+        mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         start_step = ckpt["step"]
         log(f"resumed from {checkpoints[-1]} at step {start_step}")
@@ -749,12 +910,7 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     def save_checkpoint(step):
         """Writes {out_dir}/ckpt_{step}.pt atomically, then drops all but keep_checkpoints.
         Every rank calls it: the sharded modes gather their state into full tensors first."""
-        if config.sharding == "fsdp":
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state = get_model_state_dict(raw_model, options=options)
-            optimizer_state = get_optimizer_state_dict(raw_model, optimizer, options=options)
-        else:
-            model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
+        model_state, optimizer_state = mode.state_dict()
         if not master_process:
             return
         path = out_dir / f"ckpt_{step:07d}.pt"
@@ -770,7 +926,7 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     def evaluate():
         """Mean loss over the first val_batches micro-batches of the val split, whatever world_size."""
         raw_model.eval()
-        total = torch.zeros(2, device=device)  # sum of losses, number of batches
+        total = torch.zeros(2, device=device, dtype=sum_dtype)  # sum of losses, number of batches
         # every rank runs as many batches (FSDP's all-gathers must pair up); those past
         # val_batches get weight 0
         padded = math.ceil(config.val_batches / world_size) * world_size
@@ -779,12 +935,12 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
                 x, y = val_loader.get_batch(g)
                 with autocast:
                     _, loss = raw_model(x, y)
-                weight = torch.tensor(float(g < config.val_batches), device=device)
-                total += torch.stack([loss.float() * weight, weight])
+                weight = torch.tensor(float(g < config.val_batches), device=device, dtype=sum_dtype)
+                total += torch.stack([loss.to(sum_dtype) * weight, weight])
         if dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(total)
         raw_model.train()
-        return (total[0] / total[1]).item()
+        return (total[0] / total[1]).float().item()
 
     def sample(step):
         enc = gpt2_encoding()
@@ -802,6 +958,7 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
     if config.profile and master_process:  # steps 3, 4 and 5 of this run, after warm-up
         trace = out_dir / "trace.json"
         profiler = torch.profiler.profile(
+            record_shapes=True,  # the collectives' sizes: bytes communicated per step
             schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(str(trace)))
         profiler.start()
@@ -819,19 +976,14 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
 
         t0 = time.time()
         optimizer.zero_grad()
-        loss_accum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=sum_dtype)
         for micro_step in range(grad_accum_steps):
             last_micro_step = micro_step == grad_accum_steps - 1
             with record_function("data"):
                 x, y = train_loader.next_batch()
             # sync gradients on the last micro-step only; DDP reads its flag in forward as well
             # as backward, so it is set before the forward (build-nanogpt #30)
-            if ddp:
-                ddp_model.require_backward_grad_sync = last_micro_step
-            elif config.sharding == "zero2":
-                optimizer.require_backward_grad_sync = last_micro_step
-            elif config.sharding == "fsdp":
-                raw_model.set_requires_gradient_sync(last_micro_step)
+            mode.set_grad_sync(last_micro_step)
             m = micro_step * world_size + rank  # this micro-batch's number within the step
             # dropout masks depend on (seed, step, m) alone, so on no world size (PITFALLS.md)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
@@ -839,25 +991,17 @@ def train(config, rank, local_rank, world_size, master_process, device, ddp):
                 torch.manual_seed(derived_seed(config.seed, step, m))
                 with autocast:
                     _, loss = model(x, y)
-                # the loss is a mean over the step's micro-batches, so gradients sum to the mean
-                loss = loss / grad_accum_steps
-                loss.backward()
-            loss_accum += loss.detach()
+                (loss / loss_divisor).backward()
+            loss_sum += loss.detach()
         if dist.is_initialized():
-            dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            loss_accum /= world_size
+            dist.all_reduce(loss_sum)
         with record_function("optimizer"):
             lr = get_lr(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if config.sharding == "zero2":
-                norm = optimizer.step(config.grad_clip)  # clips by the norm over all shards
-            else:
-                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-                if config.sharding == "fsdp":
-                    norm = norm.full_tensor()  # a DTensor
-                optimizer.step()
-        loss_value = loss_accum.item()  # the first host sync of the step
+            norm = mode.clip_and_step(config.grad_clip)
+        # the mean over the step's micro-batches; the first host sync of the step
+        loss_value = (loss_sum / micro_batches_per_step).float().item()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0

@@ -581,21 +581,17 @@ class ZeRO2AdamW:
 
 
 class DDPMode:
-    """sharding=ddp: every rank holds the whole model, its gradients and AdamW state, and DDP
-    all-reduces the gradients, bucketed and overlapped with the backward. One process started
-    without torchrun trains without DDP.
+    """sharding=ddp: every rank holds the whole model, gradients and AdamW state; DDP all-reduces
+    the gradients in buckets, overlapped with the backward (one process without torchrun: no DDP).
 
-    Every mode gives the loop the same handles: `model` (what the forward runs on), `optimizer`
-    (whose param_groups the schedule sets), set_grad_sync(sync) before each micro-step's forward,
-    clip_and_step(max_norm) after the last backward, and state_dict()/load_state_dict(model,
-    optimizer) with the full, unsharded state for checkpoints (collectives in the sharded modes:
-    every rank calls them).
+    Every mode gives the loop `model` (to run), `optimizer` (whose lr the schedule sets),
+    set_grad_sync(sync) before each micro-step's forward, clip_and_step(max_norm) after the last
+    backward, and state_dict()/load_state_dict() of the full, unsharded model and optimizer.
 
-    exact_reduction: a post-accumulate-grad hook moves each micro-step's float32 gradient into a
-    float64 sum; on the syncing micro-step a comm hook adds the fresh gradient, all-reduces the
-    float64 sums (SUM: the loss was divided by the step's micro-batches over all ranks) and casts
-    to float32 once. Sums of float32 values taken in float64 are exact, or round to the same
-    float32 whatever their order, so every world size gets the same bits.
+    exact_reduction: a post-accumulate-grad hook adds each micro-step's gradient into a float64
+    sum; on the syncing micro-step a comm hook sums those over ranks in float64 and casts to
+    float32 once. Float32 values summed in float64 are exact, or round to the same float32 in any
+    order, so every world size gets the same bits.
     """
 
     def __init__(self, raw_model, config, rank, world_size, device):

@@ -74,11 +74,14 @@ def read_log(out_dir):
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
-# The equivalence config: dropout on, no biases (see test_equivalence.py), B*T = 32 tokens and
-# 256 tokens per step = 8 micro-batches: 8, 4 and 2 micro-steps at world size 1, 2 and 4.
-STEPS = 6
-EQUIV = [*TINY, "--dropout=0.1", "--bias=false", "--total_batch_size=256", f"--max_steps={STEPS}",
-         "--eval_interval=3"]
+# The equivalence config: GPT-2's biases, dropout on, exact_reduction (float64 gradient sums, so
+# every world size gives the same bits); B*T = 32 tokens and 256 tokens per step = 8 micro-batches:
+# 8, 4 and 2 micro-steps at world size 1, 2 and 4. 100 steps at lr 1e-2: long enough that the
+# default mode's rounding differences grow into the weights (test_equivalence.py shows it).
+STEPS = 100
+EQUIV = [*TINY, "--dropout=0.1", "--bias=true", "--exact_reduction=true", "--total_batch_size=256",
+         f"--max_steps={STEPS}", "--eval_interval=25"]
+EVALS = 5  # steps 0, 25, 50, 75 and the last
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +92,12 @@ def equiv_data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def equiv_runs(equiv_data_dir, tmp_path_factory):
-    """The EQUIV config trained in ddp mode at world sizes 1 (plain python), 2 and 4."""
-    return compare([*EQUIV, f"--data_dir={equiv_data_dir}"], [1, 2, 4],
-                   tmp_path_factory.mktemp("equiv_runs"))
+def equiv_runs_dir(tmp_path_factory):
+    """Where equiv_runs trains: world_size_{n}/ holds each run's log and checkpoint."""
+    return tmp_path_factory.mktemp("equiv_runs")
+
+
+@pytest.fixture(scope="session")
+def equiv_runs(equiv_data_dir, equiv_runs_dir):
+    """The EQUIV config trained in ddp mode at world sizes 1 (plain python, all cores), 2 and 4."""
+    return compare([*EQUIV, f"--data_dir={equiv_data_dir}"], [1, 2, 4], equiv_runs_dir)

@@ -33,6 +33,7 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--max_steps", "10"], "write overrides as --key=value"),
     (["no_such_config.toml"], "config file no_such_config.toml not found"),
     (["--resume=sometimes"], "'auto' or 'never'"),
+    (["--exact_reduction=true", "--grad_compression=bf16"], "turn one of them off"),
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
@@ -193,10 +194,10 @@ def test_missing_shards_name_the_command_that_makes_them(tmp_path):
 def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     """2 gloo ranks x 2 micro-steps train the same model as 1 process x 4 micro-steps.
 
-    Tolerance: float32 with different summation order; measured differences are ~1e-7 relative.
-    The test model has no biases: the key bias of c_attn has a gradient that is 0 in exact
-    arithmetic, and AdamW scales its float noise up to +-lr (see PITFALLS), which would make the
-    parameter comparison measure noise rather than the DDP logic.
+    Default mode (no exact_reduction): float32 sums in another order, so a tolerance; measured
+    differences are ~1e-7 relative. The test model has no biases: the key bias of c_attn has a
+    gradient that is 0 in exact arithmetic, so its float noise, scaled by AdamW up to +-lr, would
+    differ between the runs without changing any output (PITFALLS.md).
     """
     common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=6",
               "--bias=false"]

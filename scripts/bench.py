@@ -1,8 +1,8 @@
 """
 Benchmarks short trainings of one config in several variants and prints one table: tokens/s
 (median of the steps after warm-up), ms/step, MFU, peak GPU memory, and where a step's time goes
-(data, forward and backward, waiting for the gradient all-reduce, optimizer), and the optimizer
-state one rank holds.
+(data, forward and backward, waiting for the gradient all-reduce, optimizer), the optimizer
+state one rank holds, and the bytes one rank hands to collectives per step.
 
     python scripts/bench.py configs/gpt2_124m.toml --nproc 1                  # one GPU
     python scripts/bench.py configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
@@ -20,6 +20,7 @@ the one that syncs, over the others (so it needs grad_accum_steps > 1; '-' other
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -72,13 +73,12 @@ def run(name, overrides, args, train_args):
     return records, out / "trace.json"
 
 
-def time_split(trace_path):
+def time_split(events):
     """Per-step milliseconds of the loop's record_function ranges in the profiled steps.
 
     GPU time (gpu_user_annotation) where the trace has it, else CPU time (user_annotation).
     Returns data, fwd_bwd, allreduce_wait (None without a non-syncing micro-step), optimizer.
     """
-    events = json.load(open(trace_path))["traceEvents"]
     cat = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
            else "user_annotation")
     durations = {}
@@ -94,6 +94,31 @@ def time_split(trace_path):
             "optimizer": sum(durations.get("optimizer", [])) / PROFILED_STEPS}
 
 
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8}
+
+
+def comm_bytes(events):
+    """Bytes the master hands to collectives per profiled step: each all-reduce's tensor, each
+    reduce-scatter's input and each all-gather's output, from the c10d ops of a trace recorded
+    with shapes. c10d's all-reduce records a tensor list without its dtype; the backend's own
+    event for it (gloo:all_reduce, nccl:all_reduce) has it, matched by element count."""
+    ops = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")]
+    all_reduce_types = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in ("gloo:all_reduce", "nccl:all_reduce"):
+            dims, types = e["args"]["Input Dims"], e["args"]["Input type"]
+            all_reduce_types[math.prod(dims[0])] = types[0]
+    total = 0
+    for e in ops:
+        dims, types = e["args"].get("Input Dims"), e["args"].get("Input type")
+        if e["name"] == "c10d::allreduce_":
+            numel = math.prod(dims[0][0])
+            total += numel * ELEMENT_BYTES.get(all_reduce_types.get(numel, "float"), 4)
+        elif e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+            total += max(math.prod(d) for d in dims[:2]) * ELEMENT_BYTES.get(types[0], 4)
+    return total / PROFILED_STEPS
+
+
 def summarize(records, trace_path):
     timed = [r for r in records if "loss" in r and r["step"] >= FIRST_TIMED_STEP]
     row = {
@@ -103,7 +128,9 @@ def summarize(records, trace_path):
         "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
         "mem_gb": max(r["mem_gb"] for r in timed) if "mem_gb" in timed[0] else None,
     }
-    row.update(time_split(trace_path))
+    events = json.load(open(trace_path))["traceEvents"]
+    row.update(time_split(events))
+    row["comm_mb"] = comm_bytes(events) / 2**20
     return row
 
 
@@ -113,7 +140,7 @@ def print_table(rows):
 
     header = (f"{'variant':<22} {'tok/s':>11} {'ms/step':>9} {'MFU':>6} {'mem GB':>7} "
               f"{'data ms':>8} {'fwd+bwd ms':>10} {'allreduce wait ms':>17} {'optim ms':>8} "
-              f"{'optim state MB':>14}")
+              f"{'optim state MB':>14} {'comm MB/step':>12}")
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
@@ -121,7 +148,7 @@ def print_table(rows):
         print(f"{name:<22} {r['tokens_per_sec']:>11,.0f} {r['ms_per_step']:>9.1f} {fmt(mfu, '5.1f'):>5}% "
               f"{fmt(r['mem_gb'], '.1f'):>7} {r['data']:>8.1f} {r['fwd_bwd']:>10.1f} "
               f"{fmt(r['allreduce_wait'], '.1f'):>17} {r['optimizer']:>8.1f} "
-              f"{r['optimizer_state_mb']:>14.2f}")
+              f"{r['optimizer_state_mb']:>14.2f} {r['comm_mb']:>12.3f}")
 
 
 def main():

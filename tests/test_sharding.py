@@ -9,12 +9,18 @@ import pytest
 import torch
 
 from check_equivalence import compare
-from conftest import EQUIV, read_log, run_training
+from conftest import EQUIV, STEPS, read_log, run_training
 from test_equivalence import assert_bitwise_same_run
 
 # each sharded mode runs another seed than test_equivalence.py's, so that with ddp's three
-# seeds are checked at world sizes 1, 2 and 4
+# seeds are checked at world sizes 1, 2 and 4; a checkpoint at step 90 for the resume test
 SEEDS = {"zero2": 2, "fsdp": 3}
+RESUME_STEP = 90
+
+
+def seeded_args(mode, data_dir):
+    return [*EQUIV, f"--data_dir={data_dir}", f"--seed={SEEDS[mode]}",
+            f"--checkpoint_interval={RESUME_STEP}"]
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +28,11 @@ def sharded_runs(equiv_data_dir, tmp_path_factory):
     """For each sharded mode: its runs at world sizes 1, 2 and 4, and ddp's at world size 1, of
     that mode's seed, as check_equivalence.compare returns them, and the folder of its runs."""
     runs = {}
-    for mode, seed in SEEDS.items():
-        args = [*EQUIV, f"--data_dir={equiv_data_dir}", f"--seed={seed}"]
+    for mode in SEEDS:
+        args = seeded_args(mode, equiv_data_dir)
         out = tmp_path_factory.mktemp(mode)
         runs[mode] = (compare([*args, f"--sharding={mode}"], [1, 2, 4], out),
-                      compare(args, [1], tmp_path_factory.mktemp(f"ddp_seed{seed}"))[1], out)
+                      compare(args, [1], tmp_path_factory.mktemp(f"ddp_{mode}"))[1], out)
     return runs
 
 
@@ -52,32 +58,29 @@ def test_optimizer_state_per_rank_shrinks_with_the_world_size(equiv_runs, equiv_
 
 
 @pytest.mark.parametrize("mode", ["zero2", "fsdp"])
-def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, equiv_data_dir, tmp_path):
-    """A run at world size 2 saves every 10 steps; its late checkpoints are removed as if it had
-    died after step 10, and it is resumed at world sizes 4 and 1: bitwise the same run. A zero2
-    checkpoint is in AdamW's own format, so ddp resumes it too, bitwise."""
-    steps = 20
-    args = [*EQUIV, f"--data_dir={equiv_data_dir}", f"--sharding={mode}", f"--max_steps={steps}",
-            "--checkpoint_interval=10", "--keep_checkpoints=0"]
-    full = tmp_path / "full"
-    run_training([*args, f"--out_dir={full}"], nproc=2)
-    ref_steps, ref_evals = read_log(full)
-    ckpt = torch.load(full / "ckpt_0000010.pt", weights_only=True)
-    assert ckpt["config"]["sharding"] == mode
+def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, sharded_runs, equiv_data_dir,
+                                                              tmp_path):
+    """The world size 2 run above, as if it had died after its checkpoint of step 90, resumed at
+    world sizes 4 and 1: bitwise the same run. A zero2 checkpoint is in AdamW's own format, so
+    ddp resumes it too, bitwise."""
+    runs, _, out_dir = sharded_runs[mode]
+    full = out_dir / "world_size_2"
+    ckpt = f"ckpt_{RESUME_STEP:07d}.pt"
+    assert torch.load(full / ckpt, weights_only=True)["config"]["sharding"] == mode
     resumes = [(4, mode), (1, mode)] + ([(2, "ddp")] if mode == "zero2" else [])
     for world_size, resume_mode in resumes:
         out = tmp_path / f"resumed_{world_size}_{resume_mode}"
         out.mkdir()
-        shutil.copy(full / "ckpt_0000010.pt", out)
-        shutil.copy(full / "log.jsonl", out)  # cut back to step 10 on resume
-        proc = run_training([*args, f"--out_dir={out}", f"--sharding={resume_mode}"],
-                            nproc=world_size if world_size > 1 else None)
+        shutil.copy(full / ckpt, out)
+        shutil.copy(full / "log.jsonl", out)  # cut back to the checkpoint's step on resume
+        proc = run_training([*seeded_args(mode, equiv_data_dir), f"--out_dir={out}",
+                             f"--sharding={resume_mode}"], nproc=world_size if world_size > 1 else None)
         assert "resumed from" in proc.stdout
-        resumed_steps, evals = read_log(out)
-        assert [s["step"] for s in resumed_steps] == list(range(steps))
-        assert [s["loss"] for s in resumed_steps] == [s["loss"] for s in ref_steps]
-        assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
-        final = f"ckpt_{steps:07d}.pt"
+        steps, evals = read_log(out)
+        assert [s["step"] for s in steps] == list(range(STEPS))
+        assert [s["loss"] for s in steps] == runs[2]["loss"]
+        assert [e["val_loss"] for e in evals] == runs[2]["val_loss"]
+        final = f"ckpt_{STEPS:07d}.pt"
         assert_same_tensors(torch.load(out / final, weights_only=True)["model"],
                             torch.load(full / final, weights_only=True)["model"])
 

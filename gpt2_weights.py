@@ -1,0 +1,268 @@
+"""
+GPT-2 weights in and out: Hugging Face GPT-2 checkpoints (OpenAI's released weights on the hub, or
+a local directory) into train_gpt2.py's model, and our checkpoints out as Hugging Face directories
+that `transformers` loads offline, tokenizer included.
+
+    python scripts/export_hf.py out/shakespeare_cpu out/shakespeare_cpu_hf   # the command-line tool
+    --init_from=gpt2 (or gpt2-medium, gpt2-large, gpt2-xl, or a directory): train_gpt2.py's key
+
+The two layouts differ only in this: Hugging Face's GPT-2 keeps its matmul weights in Conv1D
+modules, (in_features, out_features), the transpose of nn.Linear's; and its safetensors file
+holds the tied wte/lm_head matrix once.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from prepare_data import gpt2_encoding
+from train_gpt2 import GPT, Config, UserError
+
+HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Hugging Face config field -> Config field, for the model's shape
+SHAPE_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
+              "n_positions": "block_size", "vocab_size": "vocab_size"}
+
+
+def hf_dir(source):
+    """The local directory of a Hugging Face GPT-2 checkpoint: `source` itself, or for a hub name
+    (HUB_NAMES) the snapshot that huggingface_hub downloads into its cache (or finds there).
+
+    Raises UserError when the directory lacks config.json or model.safetensors, or the download
+    fails (offline, say).
+    """
+    if source in HUB_NAMES:
+        from huggingface_hub import snapshot_download
+        try:
+            return Path(snapshot_download(HUB_NAMES[source],
+                                          allow_patterns=["config.json", "model.safetensors"]))
+        except Exception as e:
+            raise UserError(
+                f"cannot download {source} from the Hugging Face hub ({e.__class__.__name__}: "
+                f"{str(e).splitlines()[0][:150] if str(e) else 'no detail'}); run once where the "
+                f"hub is reachable (huggingface_hub keeps it in its cache), or pass a directory "
+                f"holding config.json and model.safetensors") from e
+    path = Path(source)
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise UserError(f"{source} is neither {', '.join(HUB_NAMES)} nor a Hugging Face GPT-2 "
+                        f"directory ({' and '.join(missing)} missing)")
+    return path
+
+
+def load_hf(source):
+    """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir).
+
+    Returns (shape, state_dict): shape maps Config's model keys (n_layer, n_head, n_embd,
+    block_size, vocab_size, bias) to the checkpoint's values; state_dict is keyed and laid out as
+    GPT.state_dict(), float32. Raises UserError for a checkpoint that is not GPT-2's architecture.
+    """
+    from safetensors.torch import load_file
+    path = hf_dir(source)
+    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    # the architecture train_gpt2.GPT implements; any other would load and compute something else
+    expected = {"model_type": "gpt2", "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+                "n_inner": (None, 4 * hf_config.get("n_embd", 0)), "layer_norm_epsilon": 1e-5,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "tie_word_embeddings": True}
+    for key, allowed in expected.items():
+        value = hf_config.get(key, allowed[0] if isinstance(allowed, tuple) else allowed)
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise UserError(f"{path / 'config.json'}: {key}={value!r}, but train_gpt2.py's GPT-2 "
+                            f"needs {allowed!r}")
+    missing = [k for k in SHAPE_KEYS if k not in hf_config]
+    if missing:
+        raise UserError(f"{path / 'config.json'} lacks {', '.join(missing)}: not a GPT-2 config")
+    shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()}
+    shape["bias"] = True
+    try:
+        tensors = load_file(path / "model.safetensors")
+    except Exception as e:
+        raise UserError(f"cannot read {path / 'model.safetensors'} ({e.__class__.__name__}: "
+                        f"{str(e)[:150]}); download it again") from e
+    state = {}
+    for key, tensor in tensors.items():
+        key = key.removeprefix("transformer.")  # GPT2Model checkpoints (OpenAI's) lack the prefix
+        if key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # the causal-mask buffers older transformers versions saved
+        if key.endswith(CONV1D):
+            tensor = tensor.t()
+        state[key if key == "lm_head.weight" else "transformer." + key] = tensor.float().contiguous()
+    wte = state.get("transformer.wte.weight")
+    lm_head = state.setdefault("lm_head.weight", wte)
+    if wte is not None and not torch.equal(lm_head, wte):
+        raise UserError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
+    check_state(state, Config(**shape), path / "model.safetensors")
+    return shape, state
+
+
+def check_state(state, config, path):
+    """Raises UserError unless `state` holds exactly GPT(config)'s tensors, in their shapes."""
+    with torch.device("meta"):  # names and shapes without allocating or initializing weights
+        expected = GPT(config).state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
+             if k in state and state[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        problems = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}"
+                    if unexpected else "", f"shapes: {wrong[:2]}" if wrong else ""]
+        raise UserError(f"{path} does not hold a GPT-2 of config {config.n_layer} layers, "
+                        f"{config.n_embd} wide: {'; '.join(p for p in problems if p)}")
+
+
+def pretrained(config):
+    """Resolves train_gpt2.py's `init_from` for a run of `config`.
+
+    Returns (config, state_dict): config with the checkpoint's model shape, and its weights.
+    The model keys a user leaves at their defaults take the checkpoint's values; one set to
+    another value than the checkpoint's is refused with UserError, as is seq_len > block_size.
+    """
+    shape, state = load_hf(config.init_from)
+    defaults = Config()
+    conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
+                 if getattr(config, k) not in (v, getattr(defaults, k))]
+    if conflicts:
+        raise UserError(f"init_from={config.init_from} fixes the model's shape, but this run sets "
+                        f"{', '.join(conflicts)}: drop those keys from the config")
+    config = dataclasses.replace(config, **shape)
+    if config.seq_len > config.block_size:
+        raise UserError(f"seq_len={config.seq_len} exceeds init_from={config.init_from}'s "
+                        f"block_size={config.block_size}: pass --seq_len={config.block_size}")
+    return config, state
+
+
+def load_model(source, device="cpu"):
+    """A GPT in eval mode on `device`, from `source`: a checkpoint file of train_gpt2.py, an out_dir
+    (its latest ckpt_*.pt), a Hugging Face GPT-2 directory, or a hub name (gpt2, ..., gpt2-xl).
+
+    Returns (model, config). Raises UserError for a source that is none of these or cannot be read.
+    """
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").exists():
+        checkpoints = sorted(path.glob("ckpt_*.pt"))
+        if not checkpoints:
+            raise UserError(f"{path} holds neither checkpoints (ckpt_*.pt) nor a Hugging Face "
+                            f"config.json")
+        path = checkpoints[-1]
+    if path.is_file():
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            fields = {f.name for f in dataclasses.fields(Config)}
+            config = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
+            state = ckpt["model"]
+        except Exception as e:
+            raise UserError(f"cannot load checkpoint {path} ({e.__class__.__name__}: "
+                            f"{str(e)[:150]})") from e
+    else:
+        shape, state = load_hf(source)
+        config = Config(**shape)
+    model = GPT(config)
+    model.load_state_dict(state)
+    return model.to(device).eval(), config
+
+
+def bytes_to_unicode():
+    """GPT-2's map of the 256 byte values to printable characters, under which its vocab.json and
+    merges.txt spell tokens (openai/gpt-2, src/encoder.py)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tokenizer_files():
+    """vocab.json and merges.txt of GPT-2's BPE, derived from tiktoken's ranks (assets/).
+
+    Returns (vocab, merges): vocab maps each token, spelled by bytes_to_unicode, to its id (the
+    tiktoken rank; <|endoftext|> is 50256); merges lists the 50000 merges in rank order, each as the
+    two tokens whose merge makes the token of that rank. Those two are found by running BPE on the
+    token's bytes with the merges of lower rank only (tiktoken's educational converter does the
+    same); raises RuntimeError if that does not end in exactly two parts.
+    """
+    enc = gpt2_encoding()
+    ranks = enc._mergeable_ranks
+    byte_encoder = bytes_to_unicode()
+
+    def spell(token):
+        return "".join(byte_encoder[b] for b in token)
+
+    vocab, merges = {}, []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        vocab[spell(token)] = rank
+        if len(token) == 1:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            i = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[i] >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2:
+            raise RuntimeError(f"token {token!r} (rank {rank}) is not the merge of two tokens")
+        merges.append(f"{spell(parts[0])} {spell(parts[1])}")
+    vocab["<|endoftext|>"] = enc.eot_token
+    return vocab, merges
+
+
+def save_hf(model_state, config, out_dir):
+    """Writes a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out_dir)` and
+    `GPT2TokenizerFast.from_pretrained(out_dir)` load offline: config.json, model.safetensors
+    (float32; Conv1D weights transposed; wte once, lm_head tied to it on load), vocab.json,
+    merges.txt and tokenizer_config.json. The vocabulary keeps config.vocab_size rows (50304 with
+    the padding), so logits are ours exactly. A model trained with bias=false gets zero biases.
+
+    Written to a temporary directory, then renamed: out_dir is whole or absent. Raises UserError
+    if out_dir exists and is not empty.
+    """
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"{out_dir} exists and is not empty: remove it or pick another directory")
+    check_state(model_state, config, "the checkpoint")
+    tensors = {}
+    with torch.device("meta"):
+        biased = GPT(dataclasses.replace(config, bias=True)).state_dict()
+    for key, like in biased.items():
+        if key == "lm_head.weight":
+            continue
+        tensor = model_state[key] if key in model_state else torch.zeros(like.shape)
+        tensor = tensor.detach().float().cpu()
+        tensors[key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
+    hf_config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.block_size,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
+        "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }
+    vocab, merges = tokenizer_files()
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
+                        "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                        "unk_token": "<|endoftext|>", "add_prefix_space": False}
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tmp / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
+                                               encoding="utf-8")
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)

@@ -1,0 +1,42 @@
+"""
+Writes a train_gpt2.py checkpoint as a Hugging Face GPT-2 directory: config.json,
+model.safetensors, and GPT-2's tokenizer (vocab.json, merges.txt) derived from
+assets/gpt2.tiktoken. `transformers` then loads it with no network:
+
+    python scripts/export_hf.py out/shakespeare_cpu out/shakespeare_cpu_hf  # an out_dir's latest
+    python scripts/export_hf.py out/gpt2_124m/ckpt_0019073.pt gpt2-124m-repro
+
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+    model = GPT2LMHeadModel.from_pretrained("out/shakespeare_cpu_hf")
+    tokenizer = GPT2TokenizerFast.from_pretrained("out/shakespeare_cpu_hf")
+
+To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingface_hub's CLI).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpt2_weights import load_model, save_hf  # noqa: E402
+from train_gpt2 import UserError  # noqa: E402
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("checkpoint", help="a checkpoint file, or an out_dir (its latest checkpoint)")
+    parser.add_argument("out_dir", help="the directory to write; must not exist or be empty")
+    args = parser.parse_args(argv)
+    model, config = load_model(args.checkpoint)
+    save_hf(model.state_dict(), config, args.out_dir)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out_dir}: GPT-2 of {params / 1e6:.1f}M parameters, {config.n_layer} "
+          f"layers, n_embd {config.n_embd}, vocab {config.vocab_size}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"export_hf.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -63,7 +63,9 @@ class Config:
     # data and output
     data_dir: str = "data/fineweb-edu"  # shards made by prepare_data.py
     out_dir: str = "out"  # log.jsonl and checkpoints
-    # model (GPT-2 124M)
+    # model (GPT-2 124M); init_from: scratch, gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a directory
+    # holding a Hugging Face GPT-2 (config.json, model.safetensors), whose shape then overrides these
+    init_from: str = "scratch"
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -90,6 +92,9 @@ class Config:
     sample_interval: int = 250
     sample_prompt: str = "Hello, I'm a language model,"
     sample_tokens: int = 32
+    hellaswag_interval: int = 0  # HellaSwag accuracy (hellaswag.py) every N steps
+    hellaswag_examples: int = 0  # the first N of the file; 0 takes all (10042 in the val split)
+    hellaswag_path: str = "data/hellaswag/hellaswag_val.jsonl"  # downloaded there when missing
     checkpoint_interval: int = 5000
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
@@ -290,15 +295,18 @@ class GPT(nn.Module):
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, generator, top_k=50):
-        """Samples max_new_tokens after idx (B, T) with top-k sampling; returns (B, T + new)."""
+    def generate(self, idx, max_new_tokens, generator, temperature=1.0, top_k=50):
+        """Samples max_new_tokens after idx (B, T), yielding each new token (B, 1) as it is drawn:
+        softmax(logits / temperature) cut to the top_k most likely tokens (all when top_k is 0),
+        as nanoGPT's sample.py. The context is the last block_size tokens."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
-            probs = F.softmax(logits[:, -1, :].float(), dim=-1)  # (B, vocab_size)
-            topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)  # (B, top_k)
+            probs = F.softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, vocab_size)
+            topk_probs, topk_idx = torch.topk(probs, top_k or probs.size(-1), dim=-1)  # (B, top_k)
             choice = torch.multinomial(topk_probs, 1, generator=generator)  # (B, 1)
-            idx = torch.cat((idx, torch.gather(topk_idx, -1, choice)), dim=1)
-        return idx
+            token = torch.gather(topk_idx, -1, choice)
+            idx = torch.cat((idx, token), dim=1)
+            yield token
 
 
 # -----------------------------------------------------------------------------
@@ -816,6 +824,21 @@ def train(config, rank, world_size, master_process, device):
             f"seq_len * world_size = {B}*{T}*{world_size} = {tokens_per_micro_step}; change "
             f"total_batch_size or micro_batch_size")
     grad_accum_steps = config.total_batch_size // tokens_per_micro_step
+    # imported here, not at the top, as they are needed: safetensors and huggingface_hub are slow to
+    # import, and the one-line errors of bad weights or data come before any work
+    pretrained_state = None
+    if config.init_from != "scratch":
+        from gpt2_weights import pretrained
+        config, pretrained_state = pretrained(config)
+        log(f"init_from {config.init_from}: {config.n_layer} layers, {config.n_head} heads, "
+            f"n_embd {config.n_embd}, block_size {config.block_size}, vocab {config.vocab_size}")
+    if config.hellaswag_interval > 0:
+        import hellaswag
+        if master_process and not Path(config.hellaswag_path).exists():
+            hellaswag.download(config.hellaswag_path)
+        if dist.is_initialized():
+            dist.barrier()  # the others wait for the master's download
+        hellaswag_examples = hellaswag.load_examples(config.hellaswag_path, config.hellaswag_examples)
     micro_batches_per_step = grad_accum_steps * world_size
     # Gradients sum to the mean over the step's micro-batches. By default each rank divides by its
     # own micro-batches and DDP averages over ranks; exact_reduction sums over ranks in float64 what
@@ -833,6 +856,8 @@ def train(config, rank, world_size, master_process, device):
                 else nullcontext())
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     raw_model = GPT(config).to(device)
+    if pretrained_state is not None:
+        raw_model.load_state_dict(pretrained_state)
     if config.compile and config.dropout > 0:
         # compiled dropout draws other masks than eager unless it falls back to eager RNG
         torch._inductor.config.fallback_random = True
@@ -944,7 +969,7 @@ def train(config, rank, world_size, master_process, device):
         raw_model.eval()
         idx = torch.tensor([enc.encode_ordinary(config.sample_prompt)], device=device)
         generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
-        out = raw_model.generate(idx, config.sample_tokens, generator)
+        out = torch.cat([idx, *raw_model.generate(idx, config.sample_tokens, generator)], dim=1)
         raw_model.train()
         log(f"sample at step {step}: {enc.decode(out[0].tolist())!r}")
 
@@ -968,6 +993,14 @@ def train(config, rank, world_size, master_process, device):
             log(f"step {step:5d} | val loss {val_loss:.4f}")
             if master_process:
                 log_json({"step": step, "val_loss": val_loss})
+        if every(config.hellaswag_interval, step):
+            result = hellaswag.evaluate(raw_model, hellaswag_examples, config.block_size, device,
+                                        rank, world_size, autocast)
+            raw_model.train()
+            log(f"step {step:5d} | hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
+                f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
+            if master_process:
+                log_json({"step": step, **result})
         if every(config.sample_interval, step) and step > 0:
             sample(step)  # on every rank, for FSDP's all-gathers; the master prints
 
@@ -1030,6 +1063,7 @@ def train(config, rank, world_size, master_process, device):
 
 
 if __name__ == "__main__":
+    sys.modules["train_gpt2"] = sys.modules[__name__]  # hellaswag.py and gpt2_weights.py import it
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__ + "\nConfig keys and their defaults:")
         for field in dataclasses.fields(Config):

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def train(world_size, train_args, out_dir):
     """Runs train_gpt2.py at `world_size` into out_dir; returns (train records, eval records,
-    final model state dict). Raises RuntimeError with the run's output if it fails."""
+    HellaSwag records, final model state dict). Raises RuntimeError with the run's output if it fails."""
     script = str(ROOT / "train_gpt2.py")
     if world_size == 1:
         cmd = [sys.executable, script]
@@ -39,19 +39,24 @@ def train(world_size, train_args, out_dir):
     records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
     checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
     model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r], model)
+    return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r],
+            [r for r in records if "hellaswag_acc_norm" in r], model)
 
 
 def compare(train_args, world_sizes, out_root):
-    """Trains at each world size; returns {world_size: {"loss", "val_loss", "max_param_diff"}},
-    the losses as lists per step and the largest absolute weight difference to world size 1."""
+    """Trains at each world size; returns {world_size: {"loss", "val_loss", "hellaswag",
+    "max_param_diff"}}: the losses as lists per step, the HellaSwag results as (acc_norm, acc,
+    examples) per evaluation (none unless hellaswag_interval is set), and the largest absolute
+    weight difference to world size 1."""
     runs = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
-    ref_model = runs[world_sizes[0]][2]
+    ref_model = runs[world_sizes[0]][-1]
     results = {}
-    for n, (steps, evals, model) in runs.items():
+    for n, (steps, evals, hellaswag, model) in runs.items():
         results[n] = {
             "loss": [r["loss"] for r in steps],
             "val_loss": [r["val_loss"] for r in evals],
+            "hellaswag": [(r["hellaswag_acc_norm"], r["hellaswag_acc"], r["hellaswag_examples"])
+                          for r in hellaswag],
             "max_param_diff": max((model[k].float() - ref_model[k].float()).abs().max().item()
                                   for k in ref_model),
         }
@@ -73,6 +78,9 @@ def print_table(results):
             f"world size {n}: {w:.3e}" for n, w in zip(sizes[1:], worst)))
     print("max |diff| of weights : " + ", ".join(
         f"world size {n}: {results[n]['max_param_diff']:.3e}" for n in sizes[1:]))
+    if ref["hellaswag"]:
+        print("HellaSwag (acc_norm, acc, examples) the same at every world size: "
+              + str(all(results[n]["hellaswag"] == ref["hellaswag"] for n in sizes[1:])))
     bitwise = all(results[n][name] == ref[name] for n in sizes[1:] for name in ("loss", "val_loss"))
     if bitwise and all(results[n]["max_param_diff"] == 0 for n in sizes[1:]):
         print("bitwise identical at every world size")

@@ -1,0 +1,192 @@
+"""
+HellaSwag (Zellers et al. 2019, https://rowanzellers.com/hellaswag/): pick the sentence ending that
+makes sense, out of 4. Scored as build-nanogpt's hellaswag.py and llm.c's dev/data/hellaswag.py
+do, so numbers compare with theirs: each candidate is the context's tokens followed by the tokens
+of " " + ending, and its score is the model's cross-entropy on the ending tokens alone. acc_norm
+picks the candidate of lowest mean loss per token, acc the lowest sum.
+
+Score OpenAI's GPT-2 or a checkpoint on the validation split (10042 examples):
+    python hellaswag.py gpt2                   # 0.2955 acc_norm in build-nanogpt (gpt2-xl: 0.4893)
+    python hellaswag.py out/gpt2_124m          # the latest checkpoint of a run
+    python hellaswag.py out/gpt2_124m --examples 1000 --device cuda
+During training: --hellaswag_interval=250 in train_gpt2.py (on in configs/gpt2_124m.toml).
+
+The data is the official repository's jsonl (fields ctx, endings, label, ...), downloaded once to
+data/hellaswag/ when missing.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import urllib.request
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from prepare_data import gpt2_encoding
+from train_gpt2 import UserError
+
+URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+VAL_EXAMPLES = 10042
+GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, this scoring
+
+
+def download(path):
+    """Downloads the validation split to `path` (temp file, then rename) with a progress bar, and
+    checks it holds VAL_EXAMPLES lines. Raises UserError when the download fails, offline say,
+    naming the URL and where to put the file by hand."""
+    from tqdm import tqdm
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(URL, timeout=30) as response, open(tmp, "wb") as f:
+            total = int(response.headers.get("Content-Length", 0)) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {path.name}") as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{path} is missing and downloading it from {URL} failed ({e}); download "
+                        f"that file on a machine with a network and put it at {path}") from e
+    lines = sum(1 for line in tmp.read_bytes().splitlines() if line.strip())
+    if lines != VAL_EXAMPLES:
+        tmp.unlink()
+        raise UserError(f"{URL} gave {lines} lines, not the {VAL_EXAMPLES} examples of HellaSwag's "
+                        f"validation split: try again, or download it by hand to {path}")
+    os.replace(tmp, path)
+
+
+def load_examples(path, limit=0):
+    """Reads HellaSwag examples from a jsonl file in the official schema: one JSON object a line
+    with "ctx" (str), "endings" (4 str) and "label" (0-3; a string of a digit is accepted, as the
+    hub's copy has it). Returns the first `limit` of them (all when 0) as dicts of those three.
+
+    Raises UserError, naming the file and line, for a missing file, a line that is not complete
+    JSON (a truncated download, say) or an example that breaks the schema.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"HellaSwag file {path} not found (hellaswag.py downloads it from {URL})")
+    examples = []
+    fix = f"delete {path} to download it again, or repair it"
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{path} line {number} is not complete JSON (a truncated or "
+                                f"corrupted file?): {fix}") from None
+            try:
+                label = int(raw["label"])
+                example = {"ctx": raw["ctx"], "endings": list(raw["endings"]), "label": label}
+                valid = (isinstance(example["ctx"], str) and len(example["endings"]) == 4
+                         and all(isinstance(e, str) for e in example["endings"]) and 0 <= label < 4)
+            except (KeyError, TypeError, ValueError):
+                valid = False
+            if not valid:
+                raise UserError(f"{path} line {number} is not a HellaSwag example (ctx: str, "
+                                f"endings: 4 str, label: 0-3): {fix}")
+            examples.append(example)
+            if len(examples) == limit:
+                break
+    if not examples:
+        raise UserError(f"{path} holds no examples: {fix}")
+    return examples
+
+
+def render(example, enc, block_size):
+    """The 4 candidates of an example as one batch: tokens (4, L) int64, the context then the
+    ending, zero-padded to the longest; mask (4, L), 1 on the ending's tokens. A candidate longer
+    than block_size loses its first tokens (the context's), as the model sees no more."""
+    ctx = enc.encode_ordinary(example["ctx"])
+    rows = [(ctx + end, [0] * len(ctx) + [1] * len(end))
+            for end in (enc.encode_ordinary(" " + e) for e in example["endings"])]
+    length = min(block_size, max(len(t) for t, _ in rows))
+    tokens = torch.zeros(4, length, dtype=torch.long)
+    mask = torch.zeros(4, length, dtype=torch.long)
+    for i, (t, m) in enumerate(rows):
+        t, m = t[-length:], m[-length:]
+        tokens[i, :len(t)] = torch.tensor(t)
+        mask[i, :len(m)] = torch.tensor(m)
+    return tokens, mask
+
+
+@torch.no_grad()
+def ending_losses(model, tokens, mask, autocast=None):
+    """Cross-entropy of each candidate's ending. tokens, mask: (4, L) from render().
+    Returns (sum, mean): the loss summed over the ending's tokens and its mean per token, (4,)
+    float32 each, nats. `model(idx)` must return (logits, _) as train_gpt2.GPT does."""
+    with autocast or nullcontext():
+        logits, _ = model(tokens)  # (4, L, vocab_size)
+    logits, targets = logits[:, :-1].float(), tokens[:, 1:]  # position t predicts token t + 1
+    losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (4, L - 1)
+    mask = mask[:, 1:].float()
+    total = (losses * mask).sum(dim=1)
+    return total, total / mask.sum(dim=1)
+
+
+def evaluate(model, examples, block_size, device, rank=0, world_size=1, autocast=None):
+    """acc_norm and acc of `model` over `examples`, split over the ranks: example i goes to rank
+    i % world_size, and the counts are summed over ranks, so the result is that of one process.
+    Every rank runs as many forwards (FSDP's all-gathers must pair up); a rank out of examples
+    scores its last again, uncounted.
+
+    Returns {"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"}: two fractions in [0, 1]
+    and the number of examples. Leaves the model in eval mode; the caller restores train mode.
+    """
+    enc = gpt2_encoding()
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
+    for i in range(rank, math.ceil(len(examples) / world_size) * world_size, world_size):
+        example = examples[min(i, len(examples) - 1)]
+        tokens, mask = render(example, enc, block_size)
+        total, mean = ending_losses(model, tokens.to(device), mask.to(device), autocast)
+        if i < len(examples):
+            label = example["label"]
+            counts += torch.tensor([int(mean.argmin()) == label, int(total.argmin()) == label, 1],
+                                   device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    correct_norm, correct, n = counts.tolist()
+    return {"hellaswag_acc_norm": correct_norm / n, "hellaswag_acc": correct / n,
+            "hellaswag_examples": n}
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face "
+                        "GPT-2 directory, a train_gpt2.py checkpoint file, or an out_dir (its latest)")
+    parser.add_argument("--path", default="data/hellaswag/hellaswag_val.jsonl",
+                        help="the validation jsonl; downloaded there when missing")
+    parser.add_argument("--examples", type=int, default=0, help="score the first N (0: all)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    from gpt2_weights import load_model
+    if not Path(args.path).exists():
+        download(args.path)
+    examples = load_examples(args.path, args.examples)
+    model, config = load_model(args.source, args.device)
+    torch.set_float32_matmul_precision("high")  # TF32, as build-nanogpt scored GPT-2
+    result = evaluate(model, examples, config.block_size, torch.device(args.device))
+    print(f"{args.source}: acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
+          f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
+    if args.source in GPT2_ACC_NORM:
+        print(f"build-nanogpt reports acc_norm {GPT2_ACC_NORM[args.source]} for {args.source}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"hellaswag.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,128 @@
+"""
+Plots one or more runs' log.jsonl into a PNG: train loss (raw and smoothed) and val loss,
+HellaSwag acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient
+norm. Several runs are overlaid, each named by its directory.
+
+    python scripts/plot.py out/shakespeare_cpu                       # writes out/shakespeare_cpu/plot.png
+    python scripts/plot.py out/run_a out/run_b/log.jsonl --out compare.png
+
+Needs matplotlib (pip install matplotlib), which training does not.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# HellaSwag acc_norm of the models build-nanogpt measures itself against: OpenAI's GPT-2 124M under
+# this repo's scoring (build-nanogpt), and GPT-3 Small (125M) from the GPT-3 paper, table 3.2
+REFERENCES = {"GPT-2 124M": 0.2955, "GPT-3 125M": 0.337}
+PANELS = [  # (title, log key, y scale)
+    ("loss", "loss", "linear"), ("HellaSwag acc_norm", "hellaswag_acc_norm", "linear"),
+    ("learning rate", "lr", "linear"), ("tokens/s", "tokens_per_sec", "linear"),
+    ("MFU (%)", "mfu", "linear"), ("gradient norm", "grad_norm", "log"),
+]
+
+
+def read_log(path):
+    """The records of a log.jsonl (or of DIR/log.jsonl), as a list of dicts. A last line cut by a
+    kill is skipped. Raises SystemExit with one line for a missing or unreadable file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "log.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"plot.py: error: cannot read {path}: {e.strerror}")
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise SystemExit(f"plot.py: error: {path} line {number} is not JSON: not a log.jsonl?")
+    if not records:
+        raise SystemExit(f"plot.py: error: {path} holds no records")
+    return records
+
+
+def series(records, key):
+    """(steps, values) of the records that hold `key`, as numpy arrays."""
+    points = [(r["step"], r[key]) for r in records if key in r]
+    return np.array([p[0] for p in points]), np.array([p[1] for p in points], dtype=float)
+
+
+def smooth(values):
+    """Moving average over a 50th of the run (at least 1 step), the first steps averaged over
+    what came before them."""
+    window = max(1, len(values) // 50)
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums[1:] - sums[np.maximum(0, np.arange(1, len(values) + 1) - window)]) / counts
+
+
+def plot(runs, out):
+    """Draws `runs` ({label: records}) into the PNG `out`, written to a temp file then renamed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot.py: error: matplotlib is not installed: pip install matplotlib")
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
+    for ax, (title, key, scale) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_yscale(scale)
+        for i, (label, records) in enumerate(runs.items()):
+            color = f"C{i}"
+            steps, values = series(records, key)
+            if key == "mfu":
+                values = values * 100
+            if key == "loss" and len(steps):
+                ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+                ax.plot(steps, smooth(values), color=color, label=f"{label} train (smoothed)")
+                val_steps, val = series(records, "val_loss")
+                ax.plot(val_steps, val, "o--", color=color, markersize=3, label=f"{label} val")
+            elif len(steps):
+                ax.plot(steps, values, color=color, marker="o" if len(steps) < 50 else None,
+                        markersize=3, label=label)
+        if not ax.lines:
+            ax.text(0.5, 0.5, f"no {key} in these logs", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+        if key == "hellaswag_acc_norm":
+            for (name, value), style in zip(REFERENCES.items(), ("--", ":")):
+                ax.axhline(value, color="gray", linestyle=style, label=f"{name} ({value})")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = Path(str(out) + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("logs", nargs="+", help="log.jsonl files or the out_dirs holding them")
+    parser.add_argument("--out", help="the PNG to write (default: plot.png beside the first log)")
+    args = parser.parse_args(argv)
+    runs = {}
+    for log in args.logs:
+        path = Path(log)
+        label = (path if path.is_dir() else path.parent).resolve().name
+        while label in runs:
+            label += "'"
+        runs[label] = read_log(path)
+    first = Path(args.logs[0])
+    out = args.out or (first if first.is_dir() else first.parent) / "plot.png"
+    plot(runs, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

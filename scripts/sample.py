@@ -1,0 +1,79 @@
+"""
+Samples text from a trained model, printing tokens as they are drawn (nanoGPT's sample.py).
+
+    python scripts/sample.py out/shakespeare_cpu --prompt "ROMEO:"          # an out_dir's latest
+    python scripts/sample.py out/shakespeare_cpu/ckpt_0000450.pt --num_samples 3 --top_k 0
+    python scripts/sample.py gpt2 --prompt_file prompt.txt --temperature 0.8 --device cuda
+
+The source is an out_dir (its latest checkpoint), a checkpoint file, a Hugging Face GPT-2
+directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once by huggingface_hub).
+The same --seed gives the same text on the same device.
+"""
+
+import argparse
+import codecs
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpt2_weights import load_model  # noqa: E402
+from prepare_data import gpt2_encoding  # noqa: E402
+from train_gpt2 import UserError  # noqa: E402
+
+
+def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=sys.stdout):
+    """Writes the prompt, then each sampled token's text to `out` as it is drawn; returns the
+    sampled token ids. A character split across tokens is written once its bytes are complete."""
+    device = next(model.parameters()).device
+    idx = torch.tensor([enc.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out.write(prompt)
+    tokens = []
+    for token in model.generate(idx, max_new_tokens, generator, temperature, top_k):
+        tokens.append(token.item())
+        out.write(decoder.decode(enc.decode_single_token_bytes(tokens[-1])))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    return tokens
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("source", help="out_dir, checkpoint file, Hugging Face GPT-2 directory, "
+                        "or gpt2 / gpt2-medium / gpt2-large / gpt2-xl")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt_file", help="read the prompt from this file instead")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="< 1 makes likely tokens likelier, > 1 flattens the distribution")
+    parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.temperature <= 0 or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0:
+        parser.error("--temperature must be > 0, --top_k >= 0, --num_samples >= 1, "
+                     "--max_new_tokens >= 0")
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot read --prompt_file {args.prompt_file}: {e.strerror}") from e
+    model, _ = load_model(args.source, args.device)
+    enc = gpt2_encoding()
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} of {args.num_samples}")
+        sample(model, enc, prompt, args.max_new_tokens, args.temperature, args.top_k, generator)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

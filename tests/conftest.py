@@ -44,6 +44,28 @@ def make_shards(data_dir, n_train=4000, n_val=1000, vocab=512, seed=0, train_sha
     return train
 
 
+# letters whose GPT-2 tokens, alone or after a space, are ids below TINY's vocab_size of 512
+LOW_ID_LETTERS = "abcdefghjklmnoprstuvwy"
+
+
+def write_hellaswag(path, n, seed=0):
+    """Writes n HellaSwag examples in the official jsonl schema (ctx, endings, label and the other
+    fields), made of one-letter words so that every GPT-2 token id is below 512."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(rng.choice(list(LOW_ID_LETTERS), k))
+
+    with open(path, "w") as f:
+        for i in range(n):
+            ctx = words(int(rng.integers(2, 6)))
+            example = {"ind": i, "activity_label": "test", "ctx_a": ctx, "ctx_b": "", "ctx": ctx,
+                       "split": "val", "split_type": "indomain", "source_id": f"test~{i}",
+                       "endings": [words(int(rng.integers(1, 5))) for _ in range(4)],
+                       "label": int(rng.integers(0, 4))}
+            f.write(json.dumps(example) + "\n")
+
+
 @pytest.fixture
 def tiny_data(tmp_path):
     data_dir = tmp_path / "data"
@@ -83,12 +105,18 @@ STEPS = 100
 EQUIV = [*TINY, "--n_layer=1", "--dropout=0.1", "--bias=true", "--exact_reduction=true",
          "--total_batch_size=256", f"--max_steps={STEPS}", "--eval_interval=25"]
 EVALS = 5  # steps 0, 25, 50, 75 and the last
+HELLASWAG_EVALS = 3  # steps 0, 50 and the last, of 7 examples: uneven over 2 and 4 ranks
+
+
+def hellaswag_args(data_dir):
+    return ["--hellaswag_interval=50", f"--hellaswag_path={Path(data_dir) / 'hellaswag.jsonl'}"]
 
 
 @pytest.fixture(scope="session")
 def equiv_data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("equiv_data")
     make_shards(path, n_train=20000)
+    write_hellaswag(path / "hellaswag.jsonl", 7)
     return path
 
 
@@ -100,5 +128,25 @@ def equiv_runs_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def equiv_runs(equiv_data_dir, equiv_runs_dir):
-    """The EQUIV config trained in ddp mode at world sizes 1 (plain python, all cores), 2 and 4."""
-    return compare([*EQUIV, f"--data_dir={equiv_data_dir}"], [1, 2, 4], equiv_runs_dir)
+    """The EQUIV config, with HellaSwag, trained in ddp mode at world sizes 1 (plain python, all
+    cores), 2 and 4."""
+    return compare([*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)],
+                   [1, 2, 4], equiv_runs_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory):
+    """A directory holding a small GPT2LMHeadModel saved by `transformers` (config.json,
+    model.safetensors): GPT-2's vocabulary, 2 layers, n_embd 32, 64 positions, every weight random
+    (LayerNorm gains and biases included, so no tensor is left at its init)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    path = tmp_path_factory.mktemp("hf_tiny")
+    config = GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path

@@ -17,17 +17,19 @@ import numpy as np
 import pytest
 
 from check_equivalence import compare, print_table
-from conftest import EQUIV, EVALS, ROOT, STEPS, read_log
+from conftest import EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, read_log
 
 
 def assert_bitwise_same_run(result, reference):
     assert result["loss"] == reference["loss"]
     assert result["val_loss"] == reference["val_loss"]
+    assert result["hellaswag"] == reference["hellaswag"]
     assert result["max_param_diff"] == 0.0
 
 
 def test_world_sizes_1_2_4_train_bitwise_the_same_model_with_dropout(equiv_runs):
     assert len(equiv_runs[1]["loss"]) == STEPS and len(equiv_runs[1]["val_loss"]) == EVALS
+    assert [n for _, _, n in equiv_runs[1]["hellaswag"]] == [7] * HELLASWAG_EVALS
     assert equiv_runs[1]["loss"][-1] < equiv_runs[1]["loss"][0]
     for n in (2, 4):
         assert_bitwise_same_run(equiv_runs[n], equiv_runs[1])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from check_equivalence import compare
-from conftest import EQUIV, STEPS, read_log, run_training
+from conftest import EQUIV, STEPS, hellaswag_args, read_log, run_training
 from test_equivalence import assert_bitwise_same_run
 
 # each sharded mode runs another seed than test_equivalence.py's, so that with ddp's three
@@ -20,7 +20,7 @@ RESUME_STEP = 90
 
 def seeded_args(mode, data_dir):
     return [*EQUIV, f"--data_dir={data_dir}", f"--seed={SEEDS[mode]}",
-            f"--checkpoint_interval={RESUME_STEP}"]
+            f"--checkpoint_interval={RESUME_STEP}", *hellaswag_args(data_dir)]
 
 
 @pytest.fixture(scope="module")

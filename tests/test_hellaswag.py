@@ -1,0 +1,122 @@
+"""HellaSwag scoring against an independent scorer (transformers on the same weights, its own
+tokenization loop), and the data file's errors. W=1 against W=2 and 4: test_equivalence.py's runs
+log HellaSwag, compared there with ==."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import GPT2LMHeadModel
+
+import hellaswag
+from conftest import ROOT, write_hellaswag
+from gpt2_weights import load_model
+from prepare_data import gpt2_encoding
+from train_gpt2 import UserError
+
+NATURAL = [  # examples in the official schema, shortened from the style of the val split
+    {"ctx": "A man is sitting on a roof. He", "label": 3, "endings": [
+        "is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+        "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+    {"ctx": "A woman is outside with a bucket and a dog. The dog is running around trying to avoid "
+            "a bath. She", "label": 2, "endings": [
+        "rinses the bucket off with soap and blow dry the dog's head.",
+        "uses a hose to keep it from getting soapy.", "gets the dog wet, then it runs away again.",
+        "gets into a bath tub with the dog."]},
+]
+
+
+@pytest.fixture(scope="module")
+def examples_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag_val.jsonl"
+    write_hellaswag(path, 6)
+    with open(path, "a") as f:
+        for example in NATURAL:
+            f.write(json.dumps({**example, "ind": 0, "split": "val"}) + "\n")
+    return path
+
+
+def independent_scores(model, example):
+    """transformers' logits for each candidate, scored on its ending's tokens."""
+    enc = gpt2_encoding()
+    ctx = enc.encode(example["ctx"])
+    sums, means = [], []
+    for ending in example["endings"]:
+        end = enc.encode(" " + ending)
+        tokens = torch.tensor([ctx + end])
+        with torch.no_grad():
+            logits = model(tokens).logits[0]
+        losses = [F.cross_entropy(logits[t - 1], tokens[0, t]).item()
+                  for t in range(len(ctx), len(ctx) + len(end))]
+        sums.append(sum(losses))
+        means.append(sum(losses) / len(losses))
+    return sums, means
+
+
+def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
+    reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
+    model, config = load_model(hf_tiny)
+    examples = hellaswag.load_examples(examples_file)
+    assert len(examples) == 8
+    correct_norm = correct = 0
+    for example in examples:
+        tokens, mask = hellaswag.render(example, gpt2_encoding(), config.block_size)
+        total, mean = hellaswag.ending_losses(model, tokens, mask)
+        sums, means = independent_scores(reference, example)
+        torch.testing.assert_close(total, torch.tensor(sums), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mean, torch.tensor(means), rtol=1e-5, atol=1e-5)
+        assert int(mean.argmin()) == min(range(4), key=means.__getitem__)
+        correct_norm += min(range(4), key=means.__getitem__) == example["label"]
+        correct += min(range(4), key=sums.__getitem__) == example["label"]
+    result = hellaswag.evaluate(model, examples, config.block_size, torch.device("cpu"))
+    assert result == {"hellaswag_acc_norm": correct_norm / 8, "hellaswag_acc": correct / 8,
+                      "hellaswag_examples": 8}
+
+
+def test_standalone_script_scores_a_model(hf_tiny, examples_file):
+    proc = subprocess.run([sys.executable, "hellaswag.py", str(hf_tiny), "--path", str(examples_file),
+                           "--examples", "5"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    model, config = load_model(hf_tiny)
+    result = hellaswag.evaluate(model, hellaswag.load_examples(examples_file, 5), config.block_size,
+                                torch.device("cpu"))
+    assert (f"acc_norm {result['hellaswag_acc_norm']:.4f} | acc {result['hellaswag_acc']:.4f} | "
+            f"5 examples") in proc.stdout
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text[:-30], "line 8 is not complete JSON \\(a truncated or corrupted file\\?\\)"),
+    (lambda text: text.replace('roof. He", "label": 3', 'roof. He", "label": 7'),
+     "line 7 is not a HellaSwag example"),
+    (lambda text: text.replace('"ctx"', '"context"', 1), "line 1 is not a HellaSwag example"),
+    (lambda text: text.replace('"endings": [', '"endings": ["one more", ', 1),
+     "line 1 is not a HellaSwag example \\(ctx: str, endings: 4 str, label: 0-3\\)"),
+    (lambda text: "", "holds no examples"),
+])
+def test_a_damaged_file_gets_a_one_line_error(examples_file, tmp_path, damage, message):
+    path = tmp_path / "damaged.jsonl"
+    path.write_text(damage(examples_file.read_text()))
+    with pytest.raises(UserError, match=message):
+        hellaswag.load_examples(path)
+
+
+def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file, tmp_path):
+    path = tmp_path / "truncated.jsonl"
+    path.write_bytes(examples_file.read_bytes()[:-30])
+    proc = subprocess.run([sys.executable, "hellaswag.py", str(hf_tiny), "--path", str(path)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("hellaswag.py: error: ") and proc.stderr.count("\n") == 1
+    assert "delete" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # refused
+    target = tmp_path / "hellaswag" / "hellaswag_val.jsonl"
+    with pytest.raises(UserError, match=f"downloading it from {hellaswag.URL} failed .* put it at "
+                                        f"{target}"):
+        hellaswag.download(target)
+    assert not target.exists() and not list(target.parent.iterdir())  # no partial file left

@@ -1,0 +1,76 @@
+"""scripts/sample.py: deterministic for a seed, streamed as drawn; scripts/plot.py: a PNG from
+real training logs."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plot
+from conftest import ROOT
+from gpt2_weights import load_model
+from prepare_data import gpt2_encoding
+from sample import sample
+
+
+def draw(model, seed, out=None, **kwargs):
+    options = dict(max_new_tokens=24, temperature=1.0, top_k=50) | kwargs
+    generator = torch.Generator().manual_seed(seed)
+    return sample(model, gpt2_encoding(), "Hello, I'm", generator=generator, out=out or io.StringIO(),
+                  **options)
+
+
+def test_the_same_seed_gives_the_same_text(hf_tiny):
+    model, _ = load_model(hf_tiny)
+    assert draw(model, 1) == draw(model, 1)
+    assert draw(model, 1) != draw(model, 2)
+    assert draw(model, 1, top_k=0, temperature=0.7) == draw(model, 1, top_k=0, temperature=0.7)
+    assert draw(model, 1, top_k=0) != draw(model, 1)
+    assert len(draw(model, 3, max_new_tokens=5)) == 5
+
+
+def test_streamed_text_is_the_prompt_then_the_decoded_tokens(hf_tiny):
+    model, _ = load_model(hf_tiny)
+    out = io.StringIO()
+    tokens = draw(model, 4, out)
+    expected = "Hello, I'm" + gpt2_encoding().decode_bytes(tokens).decode("utf-8", errors="replace")
+    assert out.getvalue() == expected + "\n"
+
+
+def test_the_script_prints_what_the_function_draws(hf_tiny):
+    proc = subprocess.run([sys.executable, "scripts/sample.py", str(hf_tiny), "--prompt", "Hello, I'm",
+                           "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    model, _ = load_model(hf_tiny)
+    generator = torch.Generator().manual_seed(7)
+    expected = io.StringIO()
+    for i in (1, 2):
+        expected.write(f"--- sample {i} of 2\n")
+        sample(model, gpt2_encoding(), "Hello, I'm", 24, 1.0, 50, generator, out=expected)
+    assert proc.stdout == expected.getvalue()
+
+
+def test_a_bad_source_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/sample.py", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_*.pt) "
+                           f"nor a Hugging Face config.json\n")
+
+
+def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):
+    out = tmp_path / "runs.png"
+    plot.main([str(equiv_runs_dir / "world_size_1"), str(equiv_runs_dir / "world_size_2" / "log.jsonl"),
+               "--out", str(out)])
+    png = out.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_plot_without_matplotlib_says_what_to_install(equiv_runs_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit, match="matplotlib is not installed: pip install matplotlib"):
+        plot.main([str(equiv_runs_dir / "world_size_1"), "--out", str(tmp_path / "p.png")])

@@ -1,0 +1,117 @@
+"""GPT-2 weights in and out, against Hugging Face `transformers` (an independent implementation):
+init_from a transformers checkpoint, the tiny finetune config, and export to a directory that
+transformers loads with no network, tokenizer included."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+
+from conftest import ROOT, make_shards, read_log, run_training
+from gpt2_weights import load_model, pretrained, save_hf, tokenizer_files
+from prepare_data import gpt2_encoding
+from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
+
+TOLERANCE = 1e-5  # float32 logits of two implementations that sum in other orders
+
+# tiny_shakespeare's finetune recipe, scaled down to the hf_tiny model and seconds on a CPU
+FINETUNE_TINY = ["configs/finetune_shakespeare.toml", "--seq_len=32", "--micro_batch_size=2",
+                 "--total_batch_size=64", "--max_steps=4", "--val_batches=4", "--eval_interval=3",
+                 "--sample_interval=0", "--compile=false", "--device=cpu"]
+
+
+def hf_logits(model, idx):
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def test_init_from_a_transformers_checkpoint_gives_its_logits(hf_tiny):
+    reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
+    model, config = load_model(hf_tiny)
+    assert (config.n_layer, config.n_embd, config.block_size, config.vocab_size) == (2, 32, 64, 50257)
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, _ = model(idx)
+    torch.testing.assert_close(logits, hf_logits(reference, idx), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--n_layer=3", "sets n_layer=3 \\(the checkpoint has 2\\): drop those keys"),
+    ("--vocab_size=1000", "sets vocab_size=1000"),
+    ("--seq_len=128", "seq_len=128 exceeds init_from=.*block_size=64: pass --seq_len=64"),
+])
+def test_init_from_refuses_a_conflicting_model_config(hf_tiny, override, message):
+    with pytest.raises(UserError, match=message):
+        pretrained(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}", override]))
+
+
+def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
+    with pytest.raises(UserError, match="neither gpt2, .* nor a Hugging Face GPT-2 directory "
+                                        "\\(config.json and model.safetensors missing\\)"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path):
+    """The tiny finetune starts from hf_tiny: its step-0 val loss is transformers' loss on the
+    same val batches. Its checkpoint, exported, loads in transformers with our logits, and the
+    exported tokenizer encodes as tiktoken does."""
+    data_dir, out_dir, hf_dir = tmp_path / "data", tmp_path / "out", tmp_path / "hf"
+    make_shards(data_dir)
+    run_training([*FINETUNE_TINY, f"--init_from={hf_tiny}", f"--data_dir={data_dir}",
+                  f"--out_dir={out_dir}"])
+    steps, evals = read_log(out_dir)
+    assert len(steps) == 4 and [e["step"] for e in evals] == [0, 3]
+
+    reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
+    val = DataLoader(data_dir, "val", 2, 32, 0, 1, torch.device("cpu"), 50257)
+    losses = []
+    for g in range(4):
+        x, y = val.get_batch(g)
+        losses.append(F.cross_entropy(hf_logits(reference, x).flatten(0, 1), y.flatten()))
+    assert evals[0]["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=TOLERANCE)
+
+    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(out_dir), str(hf_dir)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ours, _ = load_model(out_dir)
+    exported = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = ours(idx)
+    torch.testing.assert_close(hf_logits(exported, idx), logits, rtol=0, atol=TOLERANCE)
+
+    tokenizer = GPT2TokenizerFast.from_pretrained(hf_dir)
+    enc = gpt2_encoding()
+    text = ("Hello, world! It's 2026; we'll see.\n\n  Ça coûte 12,50 €. Привет, мир! 你好，世界。"
+            "こんにちは。 مرحبا بالعالم 🤖🎉\tnaïve café ½ ∑x²\r\n")
+    assert tokenizer.encode(text) == enc.encode_ordinary(text)
+    assert tokenizer.decode(enc.encode_ordinary(text)) == text
+    assert tokenizer.eos_token_id == enc.eot_token == 50256
+
+
+def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
+    """A model trained from scratch: vocab_size 50304 (47 padding rows) and bias=false. The
+    exported directory carries the padding rows and zero biases, so transformers' logits are ours
+    over all 50304 ids."""
+    config = Config(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, bias=False)
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    save_hf(model.state_dict(), config, tmp_path / "hf")
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, _ = model(idx)
+    assert logits.shape[-1] == 50304
+    torch.testing.assert_close(hf_logits(exported, idx), logits, rtol=0, atol=TOLERANCE)
+    with pytest.raises(UserError, match="exists and is not empty"):
+        save_hf(model.state_dict(), config, tmp_path / "hf")
+
+
+def test_tokenizer_files_hold_gpt2s_vocabulary_and_merges():
+    vocab, merges = tokenizer_files()
+    assert len(vocab) == 50257 and len(merges) == 50000
+    assert vocab["<|endoftext|>"] == 50256 and vocab["Ġthe"] == 262  # GPT-2's " the"
+    assert merges[:3] == ["Ġ t", "Ġ a", "h e"]  # GPT-2's first merges

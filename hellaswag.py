@@ -103,6 +103,26 @@ def load_examples(path, limit=0):
     return examples
 
 
+def examples_for_training(config, master_process):
+    """train_gpt2.py's examples, rendered: the first config.hellaswag_examples (0: all) of
+    config.hellaswag_path, which the master downloads first if it is missing while the other ranks
+    wait. Raises UserError as download(), load_examples() and render_all() do, on every rank."""
+    error = None
+    if master_process and not Path(config.hellaswag_path).exists():
+        try:
+            download(config.hellaswag_path)
+        except UserError as e:
+            error = str(e)
+    if dist.is_initialized():
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)  # a failed download stops every rank alike
+        error = shared[0]
+    if error:
+        raise UserError(error)
+    examples = load_examples(config.hellaswag_path, config.hellaswag_examples)
+    return render_all(examples, config.block_size, config.vocab_size)
+
+
 def render(example, enc, block_size):
     """The 4 candidates of an example as one batch: tokens (4, L) int64, the context then the
     ending, zero-padded to the longest; mask (4, L), 1 on the ending's tokens. A candidate longer
@@ -120,6 +140,22 @@ def render(example, enc, block_size):
     return tokens, mask
 
 
+def render_all(examples, block_size, vocab_size):
+    """Renders examples once for all evaluations: a list of (tokens, mask, label) as render()
+    makes them. Raises UserError for a token id >= vocab_size: a model with a smaller vocabulary
+    than GPT-2's tokenizer (50257) cannot score HellaSwag."""
+    enc = gpt2_encoding()
+    rendered = []
+    for number, example in enumerate(examples, 1):
+        tokens, mask = render(example, enc, block_size)
+        if tokens.max() >= vocab_size:
+            raise UserError(f"HellaSwag example {number} has GPT-2 token id {int(tokens.max())}, "
+                            f"beyond the model's vocab_size={vocab_size}: HellaSwag needs GPT-2's "
+                            f"vocabulary (vocab_size >= 50257), or set hellaswag_interval=0")
+        rendered.append((tokens, mask, example["label"]))
+    return rendered
+
+
 @torch.no_grad()
 def ending_losses(model, tokens, mask, autocast=None):
     """Cross-entropy of each candidate's ending. tokens, mask: (4, L) from render().
@@ -134,24 +170,21 @@ def ending_losses(model, tokens, mask, autocast=None):
     return total, total / mask.sum(dim=1)
 
 
-def evaluate(model, examples, block_size, device, rank=0, world_size=1, autocast=None):
-    """acc_norm and acc of `model` over `examples`, split over the ranks: example i goes to rank
-    i % world_size, and the counts are summed over ranks, so the result is that of one process.
-    Every rank runs as many forwards (FSDP's all-gathers must pair up); a rank out of examples
+def evaluate(model, examples, device, rank=0, world_size=1, autocast=None):
+    """acc_norm and acc of `model` over `examples` (from render_all), split over the ranks:
+    example i goes to rank i % world_size, and the counts are summed over ranks, so the result is
+    that of one process. Every rank runs as many forwards (FSDP's all-gathers must pair up); a rank out of examples
     scores its last again, uncounted.
 
     Returns {"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"}: two fractions in [0, 1]
     and the number of examples. Leaves the model in eval mode; the caller restores train mode.
     """
-    enc = gpt2_encoding()
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     for i in range(rank, math.ceil(len(examples) / world_size) * world_size, world_size):
-        example = examples[min(i, len(examples) - 1)]
-        tokens, mask = render(example, enc, block_size)
+        tokens, mask, label = examples[min(i, len(examples) - 1)]
         total, mean = ending_losses(model, tokens.to(device), mask.to(device), autocast)
         if i < len(examples):
-            label = example["label"]
             counts += torch.tensor([int(mean.argmin()) == label, int(total.argmin()) == label, 1],
                                    device=device)
     if dist.is_initialized():
@@ -159,6 +192,12 @@ def evaluate(model, examples, block_size, device, rank=0, world_size=1, autocast
     correct_norm, correct, n = counts.tolist()
     return {"hellaswag_acc_norm": correct_norm / n, "hellaswag_acc": correct / n,
             "hellaswag_examples": n}
+
+
+def summary(result):
+    """One line of an evaluate() result, for the console."""
+    return (f"hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
+            f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
 
 
 def main(argv):
@@ -177,9 +216,9 @@ def main(argv):
     examples = load_examples(args.path, args.examples)
     model, config = load_model(args.source, args.device)
     torch.set_float32_matmul_precision("high")  # TF32, as build-nanogpt scored GPT-2
-    result = evaluate(model, examples, config.block_size, torch.device(args.device))
-    print(f"{args.source}: acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
-          f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
+    examples = render_all(examples, config.block_size, config.vocab_size)
+    result = evaluate(model, examples, torch.device(args.device))
+    print(f"{args.source}: {summary(result)}")
     if args.source in GPT2_ACC_NORM:
         print(f"build-nanogpt reports acc_norm {GPT2_ACC_NORM[args.source]} for {args.source}")
 

@@ -824,21 +824,16 @@ def train(config, rank, world_size, master_process, device):
             f"seq_len * world_size = {B}*{T}*{world_size} = {tokens_per_micro_step}; change "
             f"total_batch_size or micro_batch_size")
     grad_accum_steps = config.total_batch_size // tokens_per_micro_step
-    # imported here, not at the top, as they are needed: safetensors and huggingface_hub are slow to
-    # import, and the one-line errors of bad weights or data come before any work
+    # imported only when used (safetensors and huggingface_hub are slow to import); bad weights or
+    # data fail here, before any work
     pretrained_state = None
     if config.init_from != "scratch":
         from gpt2_weights import pretrained
         config, pretrained_state = pretrained(config)
-        log(f"init_from {config.init_from}: {config.n_layer} layers, {config.n_head} heads, "
-            f"n_embd {config.n_embd}, block_size {config.block_size}, vocab {config.vocab_size}")
+        log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     if config.hellaswag_interval > 0:
         import hellaswag
-        if master_process and not Path(config.hellaswag_path).exists():
-            hellaswag.download(config.hellaswag_path)
-        if dist.is_initialized():
-            dist.barrier()  # the others wait for the master's download
-        hellaswag_examples = hellaswag.load_examples(config.hellaswag_path, config.hellaswag_examples)
+        hellaswag_examples = hellaswag.examples_for_training(config, master_process)
     micro_batches_per_step = grad_accum_steps * world_size
     # Gradients sum to the mean over the step's micro-batches. By default each rank divides by its
     # own micro-batches and DDP averages over ranks; exact_reduction sums over ranks in float64 what
@@ -994,11 +989,10 @@ def train(config, rank, world_size, master_process, device):
             if master_process:
                 log_json({"step": step, "val_loss": val_loss})
         if every(config.hellaswag_interval, step):
-            result = hellaswag.evaluate(raw_model, hellaswag_examples, config.block_size, device,
-                                        rank, world_size, autocast)
+            result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
+                                        autocast)
             raw_model.train()
-            log(f"step {step:5d} | hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
-                f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
+            log(f"step {step:5d} | {hellaswag.summary(result)}")
             if master_process:
                 log_json({"step": step, **result})
         if every(config.sample_interval, step) and step > 0:

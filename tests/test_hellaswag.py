@@ -71,7 +71,8 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
         assert int(mean.argmin()) == min(range(4), key=means.__getitem__)
         correct_norm += min(range(4), key=means.__getitem__) == example["label"]
         correct += min(range(4), key=sums.__getitem__) == example["label"]
-    result = hellaswag.evaluate(model, examples, config.block_size, torch.device("cpu"))
+    rendered = hellaswag.render_all(examples, config.block_size, config.vocab_size)
+    result = hellaswag.evaluate(model, rendered, torch.device("cpu"))
     assert result == {"hellaswag_acc_norm": correct_norm / 8, "hellaswag_acc": correct / 8,
                       "hellaswag_examples": 8}
 
@@ -81,10 +82,11 @@ def test_standalone_script_scores_a_model(hf_tiny, examples_file):
                            "--examples", "5"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     model, config = load_model(hf_tiny)
-    result = hellaswag.evaluate(model, hellaswag.load_examples(examples_file, 5), config.block_size,
-                                torch.device("cpu"))
-    assert (f"acc_norm {result['hellaswag_acc_norm']:.4f} | acc {result['hellaswag_acc']:.4f} | "
-            f"5 examples") in proc.stdout
+    examples = hellaswag.render_all(hellaswag.load_examples(examples_file, 5), config.block_size,
+                                    config.vocab_size)
+    result = hellaswag.evaluate(model, examples, torch.device("cpu"))
+    assert proc.stdout.startswith(f"{hf_tiny}: {hellaswag.summary(result)}\n")
+    assert "5 examples" in proc.stdout
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -111,6 +113,13 @@ def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file,
     assert proc.returncode == 1
     assert proc.stderr.startswith("hellaswag.py: error: ") and proc.stderr.count("\n") == 1
     assert "delete" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_model_with_a_smaller_vocabulary_is_refused(examples_file):
+    examples = hellaswag.load_examples(examples_file)
+    with pytest.raises(UserError, match="example 7 has GPT-2 token id .* beyond the model's "
+                                        "vocab_size=512: HellaSwag needs GPT-2's vocabulary"):
+        hellaswag.render_all(examples, 32, 512)
 
 
 def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatch):

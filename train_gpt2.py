@@ -11,6 +11,8 @@ GPT-2 124M on 8 GPUs (DDP over NCCL); the defaults are this run:
 Two nodes of 8 GPUs each, run on both nodes:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=gpt2 train_gpt2.py configs/gpt2_124m.toml
+Finetune OpenAI's GPT-2 (init_from), then sample from it (scripts/sample.py):
+    python train_gpt2.py configs/finetune_shakespeare.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
 Sharded AdamW state (ZeRO-2, written out below) or sharded parameters too (FSDP2):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
@@ -824,6 +826,15 @@ def train(config, rank, world_size, master_process, device):
             f"seq_len * world_size = {B}*{T}*{world_size} = {tokens_per_micro_step}; change "
             f"total_batch_size or micro_batch_size")
     grad_accum_steps = config.total_batch_size // tokens_per_micro_step
+    micro_batches_per_step = grad_accum_steps * world_size
+    # Gradients sum to the mean over the step's micro-batches. By default each rank divides by its
+    # own micro-batches and DDP averages over ranks; exact_reduction sums over ranks in float64 what
+    # one process would sum, so every micro-batch's loss is divided alike at every world size.
+    loss_divisor = micro_batches_per_step if config.exact_reduction else grad_accum_steps
+    sum_dtype = torch.float64 if config.exact_reduction else torch.float32
+    log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
+        f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
+
     # imported only when used (safetensors and huggingface_hub are slow to import); bad weights or
     # data fail here, before any work
     pretrained_state = None
@@ -834,15 +845,6 @@ def train(config, rank, world_size, master_process, device):
     if config.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(config, master_process)
-    micro_batches_per_step = grad_accum_steps * world_size
-    # Gradients sum to the mean over the step's micro-batches. By default each rank divides by its
-    # own micro-batches and DDP averages over ranks; exact_reduction sums over ranks in float64 what
-    # one process would sum, so every micro-batch's loss is divided alike at every world size.
-    loss_divisor = micro_batches_per_step if config.exact_reduction else grad_accum_steps
-    sum_dtype = torch.float64 if config.exact_reduction else torch.float32
-    log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
-        f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
-
     train_loader = DataLoader(config.data_dir, "train", B, T, rank, world_size, device, config.vocab_size)
     val_loader = DataLoader(config.data_dir, "val", B, T, rank, world_size, device, config.vocab_size)
 

@@ -30,7 +30,9 @@ import gc
 import hashlib
 import json
 import math
+import inspect
 import os
+import re
 import sys
 import time
 import tomllib
@@ -62,57 +64,80 @@ class UserError(Exception):
 class Config:
     """Every knob of a run. Defaults reproduce GPT-2 124M as in karpathy/build-nanogpt."""
 
+    # Every key's comment is its --help line. Intervals count optimizer steps; 0 turns the action
+    # off, and otherwise the last step always runs it. The last step always saves a checkpoint.
     # data and output
     data_dir: str = "data/fineweb-edu"  # shards made by prepare_data.py
     out_dir: str = "out"  # log.jsonl and checkpoints
-    # model (GPT-2 124M); init_from: scratch, gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a directory
-    # holding a Hugging Face GPT-2 (config.json, model.safetensors), whose shape then overrides these
-    init_from: str = "scratch"
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
+    # model: GPT-2 124M
+    init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl] or a Hugging Face GPT-2 directory
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # width of the residual stream
     block_size: int = 1024  # longest sequence the position embedding covers
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for faster kernels
-    dropout: float = 0.0
+    dropout: float = 0.0  # in [0, 1): on embeddings, attention and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has
     # batch: one optimizer step sees total_batch_size tokens
     micro_batch_size: int = 64  # B, sequences per forward per process
-    seq_len: int = 1024  # T
+    seq_len: int = 1024  # T, tokens per sequence
     total_batch_size: int = 524288  # tokens per optimizer step, 2**19 ~ 0.5M as in GPT-3 small
     # optimizer and schedule (AdamW, linear warmup, cosine decay)
-    max_steps: int = 19073  # 10B tokens / 524288 tokens per step
-    max_lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 715
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    # evaluation, sampling, checkpoints (every N steps; 0 turns it off, the last step always counts)
-    eval_interval: int = 250
+    max_steps: int = 19073  # optimizer steps: 10B tokens / 524288 tokens per step
+    max_lr: float = 6e-4  # learning rate at the end of warmup
+    min_lr: float = 6e-5  # learning rate at max_steps, the end of the cosine decay
+    warmup_steps: int = 715  # steps of linear warmup from max_lr / warmup_steps
+    weight_decay: float = 0.1  # AdamW's, on matmul and embedding weights only
+    beta1: float = 0.9  # AdamW's first-moment decay, in [0, 1)
+    beta2: float = 0.95  # AdamW's second-moment decay, in [0, 1)
+    grad_clip: float = 1.0  # the gradient's global 2-norm is clipped to this
+    # evaluation, sampling, checkpoints
+    eval_interval: int = 250  # val loss every N steps
     val_batches: int = 160  # micro-batches of val data per eval, split over ranks (10M tokens)
-    sample_interval: int = 250
-    sample_prompt: str = "Hello, I'm a language model,"
-    sample_tokens: int = 32
+    sample_interval: int = 250  # a printed sample every N steps
+    sample_prompt: str = "Hello, I'm a language model,"  # what the samples continue
+    sample_tokens: int = 32  # tokens per sample
     hellaswag_interval: int = 0  # HellaSwag accuracy (hellaswag.py) every N steps
     hellaswag_examples: int = 0  # the first N of the file; 0 takes all (10042 in the val split)
     hellaswag_path: str = "data/hellaswag/hellaswag_val.jsonl"  # downloaded there when missing
-    checkpoint_interval: int = 5000
+    checkpoint_interval: int = 5000  # a checkpoint every N steps (and at the last)
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
     overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
     # system
-    seed: int = 1337
+    seed: int = 1337  # initial weights, dropout masks and samples derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
     sharding: str = "ddp"  # ddp: replicas; zero2: shard AdamW state; fsdp: shard params too (FSDP2)
     bucket_cap_mb: int = 25  # ddp: gradients are all-reduced in buckets of this size
     gradient_as_bucket_view: bool = False  # ddp: gradients live in the buckets, saving a copy
     grad_compression: str = "none"  # ddp: bf16 all-reduces half the bytes (NCCL only)
     exact_reduction: bool = False  # sum gradients and losses in float64: the same bits at any world size
-    compile: bool = True
+    compile: bool = True  # torch.compile the model
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
     profile: bool = False  # the master writes a torch.profiler trace of 3 steps to out_dir
+
+
+POSITIVE = (lambda v: v > 0, "> 0")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+# what each key may be, checked before any work: (a predicate or a tuple of the allowed values, the
+# rule in words)
+CONFIG_RULES = {
+    **{key: POSITIVE for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                                 "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
+                                 "grad_clip", "bucket_cap_mb", "collective_timeout_s")},
+    **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
+                                     "eval_interval", "val_batches", "sample_interval",
+                                     "sample_tokens", "hellaswag_interval", "hellaswag_examples",
+                                     "checkpoint_interval", "keep_checkpoints")},
+    **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
+    "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
+               "auto, cpu, mps, cuda or cuda:N"),
+    "sharding": (("ddp", "zero2", "fsdp"), "ddp, zero2 or fsdp"),
+    "grad_compression": (("none", "bf16"), "none or bf16"),
+    "resume": (("auto", "never"), "auto or never"),
+}
 
 
 def cast_value(key, raw, typ):
@@ -121,6 +146,8 @@ def cast_value(key, raw, typ):
     Raises UserError naming the key, the value and the expected type.
     """
     try:
+        if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
+            raise ValueError  # a TOML array, table or boolean where a number or string belongs
         if typ is bool:
             if isinstance(raw, bool):
                 return raw
@@ -137,7 +164,7 @@ def cast_value(key, raw, typ):
         if typ is float:
             return float(raw)
         return str(raw)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
 
 
@@ -153,8 +180,11 @@ def load_config(argv):
         path = Path(argv[0])
         if not path.is_file():
             raise UserError(f"config file {path} not found (see configs/ for examples)")
-        with open(path, "rb") as f:
-            values.update(tomllib.load(f))
+        try:
+            with open(path, "rb") as f:
+                values.update(tomllib.load(f))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"config file {path} is not valid TOML: {e}") from None
         argv = argv[1:]
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
@@ -169,16 +199,16 @@ def load_config(argv):
             raise UserError(f"unknown config key {key!r}{hint}")
         kwargs[key] = cast_value(key, raw, fields[key])
     config = Config(**kwargs)
-    if config.sharding not in ("ddp", "zero2", "fsdp"):
-        raise UserError(f"config key 'sharding' must be ddp, zero2 or fsdp, got {config.sharding!r}")
-    if config.grad_compression not in ("none", "bf16"):
-        raise UserError(f"config key 'grad_compression' must be none or bf16, "
-                        f"got {config.grad_compression!r}")
+    for key, (allowed, rule) in CONFIG_RULES.items():
+        value = getattr(config, key)
+        if not (value in allowed if isinstance(allowed, tuple) else allowed(value)):
+            raise UserError(f"config key {key!r} must be {rule}, got {value!r}")
+    if config.eval_interval > 0 and config.val_batches < 1:
+        raise UserError(f"config key 'val_batches' must be >= 1 when eval_interval > 0, got "
+                        f"{config.val_batches}; or pass --eval_interval=0 to turn eval off")
     if config.exact_reduction and config.grad_compression != "none":
         raise UserError("exact_reduction sums gradients in float64 and grad_compression rounds them "
                         "to bf16: turn one of them off")
-    if config.resume not in ("auto", "never"):
-        raise UserError(f"config key 'resume' must be 'auto' or 'never', got {config.resume!r}")
     if config.seq_len > config.block_size:
         raise UserError(f"seq_len={config.seq_len} exceeds block_size={config.block_size}")
     if config.n_embd % config.n_head:
@@ -353,9 +383,13 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.paths = sorted(Path(data_dir).glob(f"*_{split}_*.bin"))
         if not self.paths:
-            raise UserError(
-                f"no {split} shards (*_{split}_*.bin) in {data_dir}; make them with "
-                f"`python prepare_data.py` (the embedded corpus) or see README for other data")
+            makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
+                      "tinyshakespeare": "python prepare_data.py"}
+            maker = makers.get(Path(data_dir).name, f"python prepare_data.py --input FILES "
+                               f"--name {Path(data_dir).name} --output-dir {data_dir}")
+            raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; make them with "
+                            f"`{maker}`, or try the small CPU config: python prepare_data.py && "
+                            f"python train_gpt2.py configs/shakespeare_cpu.toml")
         sizes = [read_shard_header(p) for p in self.paths]
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
@@ -399,13 +433,18 @@ class DataLoader:
         return x.to(self.device), y.to(self.device)
 
     def state_dict(self):
-        return {"batch_index": self.batch_index, "tokens_per_batch": self.B * self.T}
+        """The position in the stream, in tokens: a run resumed with another micro_batch_size
+        (same seq_len) reads the same sequences in each step."""
+        return {"tokens": self.batch_index * self.B * self.T}
 
     def load_state_dict(self, state):
-        if state["tokens_per_batch"] != self.B * self.T:
-            raise UserError(f"checkpoint's loader used micro-batches of {state['tokens_per_batch']} "
-                             f"tokens, this run {self.B * self.T}: keep micro_batch_size*seq_len")
-        self.batch_index = state["batch_index"]
+        tokens = state["tokens"] if "tokens" in state else (  # checkpoints of before 2026-11-22
+            state["batch_index"] * state["tokens_per_batch"])
+        if tokens % (self.B * self.T):
+            raise UserError(f"the checkpoint's loader stopped at token {tokens}, not a whole number "
+                            f"of this run's micro-batches of {self.B}*{self.T} tokens: resume with "
+                            f"the checkpoint's seq_len and total_batch_size")
+        self.batch_index = tokens // (self.B * self.T)
 
 
 def atomic_write(path, write):
@@ -888,11 +927,16 @@ def train(config, rank, world_size, master_process, device):
             for path in checkpoints:
                 path.unlink()
     if config.resume == "auto" and checkpoints:
-        try:
-            ckpt = torch.load(checkpoints[-1], map_location=device, weights_only=True)
-        except Exception as e:
-            raise UserError(f"cannot load checkpoint {checkpoints[-1]} ({e.__class__.__name__}: "
-                            f"{str(e)[:200]}); move it away to resume from the one before") from e
+        for path in reversed(checkpoints):  # the newest that loads: one cut short may lie there
+            try:
+                ckpt = torch.load(path, map_location=device, weights_only=True)
+                break
+            except Exception as e:
+                reason = f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                log(f"warning: cannot load checkpoint {path} ({reason}); trying the one before")
+        else:
+            raise UserError(f"no checkpoint in {out_dir} can be loaded (the oldest: {reason}); pass "
+                            f"--resume=never --overwrite=true to start over, or another --out_dir")
         model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
         diff = {k: (ckpt["config"][k], getattr(config, k)) for k in model_keys
                 if ckpt["config"][k] != getattr(config, k)}
@@ -900,13 +944,18 @@ def train(config, rank, world_size, master_process, device):
             diff["sharding"] = (ckpt["config"]["sharding"], config.sharding)  # other optimizer format
         if diff:
             raise UserError(
-                f"checkpoint {checkpoints[-1]} is of another model: "
+                f"checkpoint {path} is of another model: "
                 + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
                 + "; use the checkpoint's model config, another out_dir, or resume=never")
         mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         start_step = ckpt["step"]
-        log(f"resumed from {checkpoints[-1]} at step {start_step}")
+        log(f"resumed from {path} at step {start_step}")
+        if start_step >= config.max_steps:
+            log(f"the run in {out_dir} is complete: step {start_step} of max_steps="
+                f"{config.max_steps}. Raise --max_steps to train on, or start over with "
+                f"--resume=never --overwrite=true or another --out_dir")
+            return
     log_path = out_dir / "log.jsonl"
     if master_process:
         try:
@@ -1061,9 +1110,11 @@ def train(config, rank, world_size, master_process, device):
 if __name__ == "__main__":
     sys.modules["train_gpt2"] = sys.modules[__name__]  # hellaswag.py and gpt2_weights.py import it
     if {"-h", "--help"} & set(sys.argv[1:]):
-        print(__doc__ + "\nConfig keys and their defaults:")
+        # each key's description is the comment on its line in Config, beside its default
+        comments = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
+        print(__doc__ + "\nConfig keys, their defaults and what they do:")
         for field in dataclasses.fields(Config):
-            print(f"  --{field.name}={field.default}")
+            print(f"  --{field.name}={field.default}".ljust(40) + f"  {comments[field.name]}")
         sys.exit(0)
     try:
         main(sys.argv[1:])

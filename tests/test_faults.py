@@ -115,7 +115,13 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
     assert set(ckpt) == {"model", "optimizer", "config", "step", "loader"}
-    assert ckpt["step"] == 6 and ckpt["loader"]["batch_index"] == 6 * 2
+    assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64}
+
+    # rerunning a finished run says so, trains nothing and succeeds
+    log_before = (tmp_path / "log.jsonl").read_text()
+    out = run_training(args).stdout
+    assert "is complete: step 6 of max_steps=6. Raise --max_steps to train on" in out
+    assert (tmp_path / "log.jsonl").read_text() == log_before
 
     # a checkpoint of another model is refused, with both sides of each difference
     proc = subprocess.run([sys.executable, "train_gpt2.py", *args, "--n_embd=64", "--max_steps=8"],
@@ -131,13 +137,39 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
     assert [s["step"] for s in read_log(tmp_path)[0]] == [0, 1]
 
-    # a truncated checkpoint (not one of ours: ours are written atomically) is named
+    # a truncated newest checkpoint (not one of ours: ours are written atomically) is named in a
+    # warning and the run resumes from the one before; when none loads, one line says so
     data = (tmp_path / "ckpt_0000002.pt").read_bytes()
     (tmp_path / "ckpt_0000002.pt").write_bytes(data[: len(data) // 2])
+    out = run_training([*args, "--max_steps=3"]).stdout
+    assert f"warning: cannot load checkpoint {tmp_path}/ckpt_0000002.pt (RuntimeError: " in out
+    assert f"resumed from {tmp_path}/ckpt_0000001.pt at step 1" in out
+    assert [s["step"] for s in read_log(tmp_path)[0]] == [0, 1, 2]
+    for path in tmp_path.glob("ckpt_*.pt"):
+        path.write_bytes(b"")
     proc = subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=ROOT, capture_output=True,
                           text=True)
-    assert proc.returncode == 1 and "cannot load checkpoint" in proc.stderr
-    assert "ckpt_0000002.pt" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: no checkpoint in {tmp_path} can be loaded" in proc.stderr
+
+
+def test_resume_with_another_micro_batch_size_sees_the_same_tokens(data_dir, tmp_path):
+    """A run resumed with half the micro_batch_size (twice the micro-steps, as after running out
+    of GPU memory) trains on the same sequences: the losses equal the uninterrupted run's to float
+    rounding. No dropout: its masks are drawn per micro-batch."""
+    args = [*TINY, f"--data_dir={data_dir}", "--total_batch_size=128", "--max_steps=8",
+            "--checkpoint_interval=4", "--micro_batch_size=4"]
+    run_training([*args, f"--out_dir={tmp_path / 'reference'}"])
+    out = tmp_path / "resumed"
+    out.mkdir()
+    for name in ("ckpt_0000004.pt", "log.jsonl"):
+        (out / name).write_bytes((tmp_path / "reference" / name).read_bytes())
+    assert "resumed from" in run_training([*args, f"--out_dir={out}", "--micro_batch_size=2"]).stdout
+    steps, _ = read_log(out)
+    reference, _ = read_log(tmp_path / "reference")
+    assert [s["step"] for s in steps] == list(range(8))
+    np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in reference], rtol=1e-5)
+    assert [s["loss"] for s in steps][:4] == [s["loss"] for s in reference][:4]
 
 
 def launch_ranks(args, world_size, port):

@@ -32,12 +32,36 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--compile=maybe"], "cannot read 'maybe' as bool"),
     (["--max_steps", "10"], "write overrides as --key=value"),
     (["no_such_config.toml"], "config file no_such_config.toml not found"),
-    (["--resume=sometimes"], "'auto' or 'never'"),
+    (["--resume=sometimes"], "'resume' must be auto or never, got 'sometimes'"),
     (["--exact_reduction=true", "--grad_compression=bf16"], "turn one of them off"),
+    (["--micro_batch_size=0"], "'micro_batch_size' must be > 0, got 0"),
+    (["--seq_len=0"], "'seq_len' must be > 0, got 0"),
+    (["--max_steps=-5"], "'max_steps' must be > 0, got -5"),
+    (["--dropout=-0.5"], "'dropout' must be in \\[0, 1\\), got -0.5"),
+    (["--dropout=1"], "'dropout' must be in \\[0, 1\\), got 1.0"),
+    (["--max_lr=-1"], "'max_lr' must be >= 0, got -1.0"),
+    (["--eval_interval=-3"], "'eval_interval' must be >= 0, got -3"),
+    (["--val_batches=0"], "'val_batches' must be >= 1 when eval_interval > 0, got 0; or pass "
+                          "--eval_interval=0"),
+    (["--device=tpu"], "'device' must be auto, cpu, mps, cuda or cuda:N, got 'tpu'"),
+    (["--sharding=zero3"], "'sharding' must be ddp, zero2 or fsdp, got 'zero3'"),
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
         load_config(argv)
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("n_layer = 3\nmax_lr = \n", "config file .*c.toml is not valid TOML: .*at line 2"),
+    ("n_layer = [1, 2]\n", "config key 'n_layer': cannot read \\[1, 2\\] as int"),
+    ("n_layer = true\n", "config key 'n_layer': cannot read True as int"),
+    ('data_dir = ["a"]\n', "config key 'data_dir': cannot read \\['a'\\] as str"),
+])
+def test_toml_errors_name_the_file_line_or_key(tmp_path, toml, message):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(UserError, match=message):
+        load_config([str(path)])
 
 
 def test_unknown_key_in_toml_is_refused(tmp_path):
@@ -59,8 +83,10 @@ def test_every_config_key_passes_through_torchrun():
 def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    for field in Config.__dataclass_fields__:
-        assert f"--{field}=" in out
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if line.startswith("  --")}
+    assert list(lines) == [f"--{field}" for field in Config.__dataclass_fields__]
+    for line in lines.values():  # a default, then a description
+        assert len(line.split("  ", 2)[2].strip().split()) >= 2, line
 
 
 def test_shipped_configs_load():
@@ -181,8 +207,13 @@ def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
 
 
 def test_missing_shards_name_the_command_that_makes_them(tmp_path):
-    with pytest.raises(UserError, match="no train shards .* `python prepare_data.py`"):
+    with pytest.raises(UserError, match=f"no train shards .* make them with `python prepare_data.py "
+                                        f"--input FILES --name nowhere --output-dir {tmp_path}/nowhere`"):
         loader(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="make them with `bash scripts/prepare_fineweb_edu.sh`, or try "
+                                        "the small CPU config: python prepare_data.py && python "
+                                        "train_gpt2.py configs/shakespeare_cpu.toml"):
+        loader(tmp_path / "data" / "fineweb-edu")
     write_shard(tmp_path / "x_train_000001.bin", np.arange(100))
     loader(tmp_path)
     with pytest.raises(UserError, match="no val shards"):

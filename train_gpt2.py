@@ -33,6 +33,7 @@ import math
 import inspect
 import os
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -802,7 +803,25 @@ def keep_freed_cpu_memory():
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def catch_stop_signals():
+    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before they
+    kill) ask the training loop to finish its step, save a checkpoint and exit, instead of dying
+    mid-step. Returns the list the handler appends each signal to. The same signal again takes
+    its default action: it ends the process at once."""
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+    return received
+
+
 def main(argv):
+    """Sets up the device and process group from torchrun's variables and runs train(); returns
+    the exit code (non-zero when a signal stopped the run)."""
     config = load_config(argv)
     launched = "RANK" in os.environ  # by torchrun
     if launched:
@@ -842,7 +861,7 @@ def main(argv):
     elif config.sharding != "ddp":  # the sharded modes' collectives need a group, even of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        train(config, rank, world_size, master_process, device)
+        return train(config, rank, world_size, master_process, device)
     finally:
         if dist.is_initialized():
             # free what still refers to the group (FSDP's and gloo's work objects, in reference
@@ -1033,6 +1052,8 @@ def train(config, rank, world_size, master_process, device):
 
     # -------------------------------------------------------------------------
     # Training loop
+    dt_avg = 0.0  # seconds per step, for the ETA
+    stop, stop_signals = False, catch_stop_signals()
     for step in range(start_step, config.max_steps):
         if every(config.eval_interval, step):
             val_loss = evaluate()
@@ -1068,8 +1089,12 @@ def train(config, rank, world_size, master_process, device):
                     _, loss = model(x, y)
                 (loss / loss_divisor).backward()
             loss_sum += loss.detach()
+        # the step's loss sum carries, in the same all-reduce, whether any rank was asked to stop
+        totals = torch.stack([loss_sum, torch.tensor(float(len(stop_signals)), device=device,
+                                                     dtype=sum_dtype)])
         if dist.is_initialized():
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(totals)
+        loss_sum, stop = totals
         with record_function("optimizer"):
             lr = get_lr(step)
             for group in optimizer.param_groups:
@@ -1090,21 +1115,30 @@ def train(config, rank, world_size, master_process, device):
             record["mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         if step == start_step:
             record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)  # rank 0's
-        log(f"step {step:5d} | loss: {loss_value:.6f} | lr {lr:.4e} | norm: {norm:.4f} | "
-            f"dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
-            + (f" | mfu: {record['mfu'] * 100:.1f}%" if peak else ""))
+        # the ETA averages the step times after the first (compilation, warm-up), evals aside
+        dt_avg = dt if step <= start_step + 1 else 0.9 * dt_avg + 0.1 * dt
+        eta = timedelta(seconds=round(dt_avg * (config.max_steps - step - 1)))
+        log(f"step {step:5d}/{config.max_steps} | loss: {loss_value:.6f} | lr {lr:.4e} | norm: "
+            f"{norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
+            + (f" | mfu: {record['mfu'] * 100:.1f}%" if peak else "") + f" | eta {eta}")
         if profiler:
             profiler.step()
         if master_process:
             log_json(record)
-        last_step = step + 1 == config.max_steps
-        if last_step or (config.checkpoint_interval > 0
-                         and (step + 1) % config.checkpoint_interval == 0):
+        stop = stop.item() > 0
+        if stop or step + 1 == config.max_steps or (
+                config.checkpoint_interval > 0 and (step + 1) % config.checkpoint_interval == 0):
             save_checkpoint(step + 1)
+        if stop:
+            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
+            log(f"stopped by {signal.Signals(signum).name} after step {step}: the checkpoint of "
+                f"step {step + 1} is saved; rerun the same command to resume")
+            break
     if profiler:
         profiler.stop()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
+    return 128 + signum if stop else 0  # the shell's code for "ended by that signal"
 
 
 if __name__ == "__main__":
@@ -1117,7 +1151,10 @@ if __name__ == "__main__":
             print(f"  --{field.name}={field.default}".ljust(40) + f"  {comments[field.name]}")
         sys.exit(0)
     try:
-        main(sys.argv[1:])
+        sys.exit(main(sys.argv[1:]))
     except UserError as e:
         print(f"train_gpt2.py: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, which handles it itself
+        print("train_gpt2.py: interrupted before training began; nothing to save", file=sys.stderr)
+        sys.exit(130)

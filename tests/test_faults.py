@@ -81,6 +81,53 @@ def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, u
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
 
+def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_rerun_continues_bitwise(data_dir, uninterrupted,
+                                                                               tmp_path):
+    """As a cluster preempts a job: SIGTERM to torchrun, which passes it to the workers. They agree
+    to stop after the same step, save a checkpoint there (not on a checkpoint_interval step) and
+    say so in one line; rerunning the command finishes the run with the uninterrupted losses."""
+    args = [*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--checkpoint_interval=0"]
+    proc = torchrun(args, 2)
+    wait_for_step(tmp_path, 12, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    steps, _ = read_log(tmp_path)
+    last = steps[-1]["step"]
+    assert f"stopped by SIGTERM after step {last}: the checkpoint of step {last + 1} is saved; " \
+           f"rerun the same command to resume" in output
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{last + 1:07d}.pt"]
+    assert "Traceback" not in output.split("stopped by SIGTERM")[0]  # the workers raised nothing
+    run_training(args, nproc=2)
+    steps, evals = read_log(tmp_path)
+    ref_steps, ref_evals = uninterrupted
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
+    assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
+
+
+def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *RUN, f"--data_dir={data_dir}",
+                             f"--out_dir={tmp_path}", "--max_steps=100000"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and err == ""
+    assert out.splitlines()[-1].startswith("stopped by SIGINT after step ")
+    assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
+
+    from train_gpt2 import catch_stop_signals
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        received = catch_stop_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
+        assert received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
 def test_resume_on_another_world_size_continues_bitwise_the_same_run(data_dir, uninterrupted, tmp_path):
     """Killed at world size 2 (no restart), resumed at world size 1, killed again, resumed at 4:
     with exact_reduction, bitwise the losses of the uninterrupted run."""

@@ -855,9 +855,19 @@ def main(argv):
     if device.type == "cpu":
         keep_freed_cpu_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=config.collective_timeout_s)
     if launched:
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's store outlives a worker restart, keys and all, and restarted workers would
+            # read the dead ones' addresses (pytorch#135712): each attempt gets its own prefix. The
+            # count is per node, so multi-node restarts still need scripts/train_resilient.sh
+            store = dist.PrefixStore(
+                f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+                dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
     elif config.sharding != "ddp":  # the sharded modes' collectives need a group, even of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:

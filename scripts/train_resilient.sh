@@ -5,8 +5,8 @@
 #   NPROC=8 bash scripts/train_resilient.sh configs/gpt2_124m.toml --checkpoint_interval=500
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# torchrun shares its rendezvous store with the workers, and restarted workers can read the dead
-# ones' addresses from it and fail to connect (pytorch/pytorch#135712): give them their own store.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# On one node nothing else is needed: train_gpt2.py keeps each restart's keys apart in the store
+# torchrun shares with the workers (pytorch/pytorch#135712). Across nodes, restart counts differ
+# per node: there, export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun.
 torchrun --standalone --nproc_per_node="${NPROC:-8}" --max-restarts="${MAX_RESTARTS:-3}" \
     train_gpt2.py "$@"

@@ -57,16 +57,17 @@ def wait_for_step(out_dir, step, proc, timeout=120):
 def torchrun(args, nproc, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *extra, str(ROOT / "train_gpt2.py"), *args]
-    # as scripts/train_resilient.sh: restarted workers must not read the dead ones' addresses
-    # from the rendezvous store that torchrun shares with them (pytorch/pytorch#135712)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    # plain torchrun: no TORCH_DISABLE_SHARE_RDZV_TCP_STORE, which scripts/train_resilient.sh sets
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
 def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, uninterrupted, tmp_path):
-    """torchrun --max-restarts=1 restarts both workers after one is SIGKILLed; they resume from
-    the last checkpoint and log exactly (bitwise, float32) the losses of the uninterrupted run."""
+    """Plain torchrun --max-restarts=1 restarts both workers after one is SIGKILLed (the workers
+    keep each attempt's keys apart in torchrun's store); they resume from the last checkpoint and
+    log exactly (bitwise) the losses of the uninterrupted run."""
     proc = torchrun([*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"], 2,
                     extra=["--max-restarts=1"])
     wait_for_step(tmp_path, 12, proc)

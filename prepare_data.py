@@ -31,6 +31,7 @@ import functools
 import glob
 import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 import shutil
@@ -156,12 +157,38 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 
 def _texts(sources, field):
-    """Yield the text of every non-empty document of the (name, streaming dataset) sources."""
-    for _, dataset in sources:
-        for row in dataset:
-            # an empty document would add nothing but an <|endoftext|>
-            if row[field]:
-                yield row[field]
+    """Yield the text of every non-empty document of the (name, streaming dataset) sources.
+    Raises SystemExit with one line, naming the file and row, for a row that cannot be read or
+    whose field is not text."""
+    for where, dataset in sources:
+        rows = iter(dataset)
+        for number in itertools.count(1):
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            except Exception as e:  # pyarrow's and datasets' parse and cast errors
+                raise _read_error(where, e) from None
+            text = row[field]
+            if text and not isinstance(text, str):
+                raise _error(f"{where} row {number}: field {field!r} holds {type(text).__name__} "
+                             f"{str(text)[:40]!r}, not text; choose the text with --text-field")
+            if text:  # an empty document would add nothing but an <|endoftext|>
+                yield text
+
+
+def _read_error(where, e):
+    """The one-line error for a source that failed to parse: for a JSON Lines file, the first line
+    that is not JSON, found by reading it again (pyarrow counts rows per block, not lines)."""
+    if str(where).endswith(".jsonl"):
+        with open(where, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    line.strip() and json.loads(line)
+                except ValueError as bad:
+                    return _error(f"{where} line {number} is not valid JSON ({bad}); fix or "
+                                  f"remove that line")
+    return _error(f"cannot read {where}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 class _ShardWriter:
@@ -306,12 +333,28 @@ def main(argv=None):
             files = _drop_bad_utf8(files, args.skip_bad_files)
         what = " ".join(patterns)
     out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
+    # what the shards are made from: a rerun with the same manifest has nothing to do
+    manifest = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
+                [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+                "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
+                                                          "val_tokens", "val_fraction", "skip_bad_files")}}
+    manifest_path = out_dir / f"{name}_manifest.json"
     if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not args.overwrite:
-        raise _error(f"{out_dir} already has .bin files; pass --overwrite to replace its "
-                     f"{name}_*.bin shards, or pick another --output-dir")
+        try:
+            done = json.loads(manifest_path.read_text()) == manifest
+        except (OSError, ValueError):  # no manifest, or one cut short
+            done = False
+        if done:
+            print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
+            return
+        raise _error(f"{out_dir} already has .bin files, made from other input or options; pass "
+                     f"--overwrite to replace its {name}_*.bin shards, or pick another --output-dir")
 
     # imported here because it is slow to import and train_gpt2.py only needs gpt2_encoding()
+    import datasets
     from datasets import load_dataset
+    # its logger would print the parse errors that _read_error() reports in one line, once more
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
 
     if args.dataset:
         sources = [(args.dataset, load_dataset(args.dataset, args.dataset_config,
@@ -319,14 +362,60 @@ def main(argv=None):
     else:
         # one dataset per file so that errors can name the file; zero-byte files hold no
         # documents (and the json and parquet builders crash on them)
-        sources = [(f, load_dataset(builder, data_files=f, split="train", streaming=True, **builder_kwargs))
-                   for f in files if os.path.getsize(f) > 0]
+        sources = []
+        for f in files:
+            if os.path.getsize(f) > 0:
+                try:
+                    sources.append((f, load_dataset(builder, data_files=f, split="train",
+                                                    streaming=True, **builder_kwargs)))
+                except Exception as e:
+                    raise _read_error(f, e) from None
     for where, dataset in sources:
-        first_row = next(iter(dataset), None)
+        try:
+            first_row = next(iter(dataset), None)
+        except Exception as e:
+            raise _read_error(where, e) from None
         if first_row is not None and args.text_field not in first_row:
             raise _error(f"no field {args.text_field!r} in {where}; its fields are "
                          f"{', '.join(first_row)} (choose one with --text-field)")
 
+    # Shards are written to a staging dir and moved into out_dir only once all are complete, so a
+    # killed run leaves no shard the loader would take for a complete dataset, and a rerun works.
+    # It is made before any tokenizing, so that an unwritable out_dir fails at once.
+    made_out_dir = not out_dir.exists()
+    staging = out_dir / ".partial"
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)  # left by a killed run
+        staging.mkdir(parents=True)
+    except OSError as e:
+        raise _error(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output-dir")
+    try:
+        writer = _write_shards(args, sources, what, name, staging)
+    except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
+        shutil.rmtree(staging)
+        if made_out_dir:
+            shutil.rmtree(out_dir)
+        raise
+
+    if args.overwrite:
+        for path in out_dir.glob(glob.escape(name) + "_*.bin"):
+            path.unlink()
+    for path in sorted(staging.glob("*.bin")):
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
+    tmp = manifest_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, manifest_path)
+    print(f"wrote {writer.index} shard(s) to {out_dir}")
+    for split in ("val", "train"):
+        shards, tokens = writer.stats.get(split, (0, 0))
+        print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+
+
+def _write_shards(args, sources, what, name, staging):
+    """Tokenizes the sources into shards in `staging`; returns the _ShardWriter. Without
+    --val-tokens (and for local files), a first pass counts the tokens to size the val split."""
     val_tokens, total = args.val_tokens, None
     if val_tokens is None and args.dataset:
         val_tokens = args.shard_size  # as build-nanogpt does for FineWeb-Edu; no counting pass
@@ -340,47 +429,26 @@ def main(argv=None):
             raise _error(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
 
-    # Shards are written to a staging dir and moved into out_dir only once all are complete, so a
-    # killed run leaves no shard the loader would take for a complete dataset, and a rerun works.
-    staging = out_dir / ".partial"
-    if staging.exists():
-        shutil.rmtree(staging)  # left by a killed run
-    staging.mkdir(parents=True)
-
-    try:
-        writer = _ShardWriter(staging, name, args.shard_size)
-        val_left = val_tokens
-        with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
-            for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
-                bar.update(len(tokens))
-                if val_left:
-                    head = tokens[:val_left]
-                    writer.add("val", head)
-                    val_left -= len(head)
-                    tokens = tokens[len(head):]
-                if len(tokens):
-                    writer.add("train", tokens)
-        if writer.split is None:  # no document came through, so nothing has been written
-            raise _error(f"empty input: no documents in {what}")
-        writer.flush()
-        if "train" not in writer.stats:
-            n = writer.stats["val"][1]
-            raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
-                         f"{val_tokens}); no train shard was written")
-    except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
-        shutil.rmtree(staging)
-        raise
-
-    if args.overwrite:
-        for path in out_dir.glob(glob.escape(name) + "_*.bin"):
-            path.unlink()
-    for path in sorted(staging.glob("*.bin")):
-        os.replace(path, out_dir / path.name)
-    staging.rmdir()
-    print(f"wrote {writer.index} shard(s) to {out_dir}")
-    for split in ("val", "train"):
-        shards, tokens = writer.stats.get(split, (0, 0))
-        print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+    writer = _ShardWriter(staging, name, args.shard_size)
+    val_left = val_tokens
+    with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
+        for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+            bar.update(len(tokens))
+            if val_left:
+                head = tokens[:val_left]
+                writer.add("val", head)
+                val_left -= len(head)
+                tokens = tokens[len(head):]
+            if len(tokens):
+                writer.add("train", tokens)
+    if writer.split is None:  # no document came through, so nothing has been written
+        raise _error(f"empty input: no documents in {what}")
+    writer.flush()
+    if "train" not in writer.stats:
+        n = writer.stats["val"][1]
+        raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
+                     f"{val_tokens}); no train shard was written")
+    return writer
 
 
 if __name__ == "__main__":

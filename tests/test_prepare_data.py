@@ -31,7 +31,8 @@ def read_shard(path):
 
 
 def names(out_dir):
-    return sorted(p.name for p in out_dir.iterdir())
+    """The shards and anything else in out_dir but the manifest of what they were made from."""
+    return sorted(p.name for p in out_dir.iterdir() if not p.name.endswith("_manifest.json"))
 
 
 def split_stream(out_dir, split):
@@ -261,6 +262,47 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     assert not (out_dir / ".partial").exists()
 
 
+def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "out"
+    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2]
+    run(*common)
+    before = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
+    assert "a_manifest.json" in before
+    capsys.readouterr()
+    run(*common)  # as the README's quickstart line, run twice
+    assert capsys.readouterr().out == f"{out_dir} already holds the shards of this input and these " \
+                                      f"options: nothing to do\n"
+    assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == before
+    with pytest.raises(SystemExit, match="made from other input or options; pass --overwrite"):
+        run(*common[:-1], 3)  # other options
+    (tmp_path / "a.txt").write_text("Other text.")
+    with pytest.raises(SystemExit, match="made from other input or options"):
+        run(*common)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "fine"}\n{"text": "cut\n{"text": "ok"}\n',
+     "bad.jsonl line 2 is not valid JSON \\(.*\\); fix or remove that line"),
+    ('{"text": 5}\n{"text": 6}\n', "bad.jsonl row 1: field 'text' holds int '5', not text"),
+])
+def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
+    (tmp_path / "bad.jsonl").write_text(content)
+    with pytest.raises(SystemExit, match=message):
+        run("--input", tmp_path / "bad.jsonl", "--output-dir", tmp_path / "out", "--workers", 1)
+    assert not (tmp_path / "out").exists()  # a failed run leaves no empty output directory
+
+
+def test_unwritable_output_dir_fails_before_tokenizing(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("Hello world")
+    blocker = tmp_path / "file"  # a file where the output dir's parent should be (root ignores chmod)
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(prepare_data, "_tokenized", lambda *a: pytest.fail("tokenized first"))
+    with pytest.raises(SystemExit, match=f"cannot write to {blocker}/out: Not a directory; pick a "
+                                         f"writable --output-dir"):
+        run("--input", tmp_path / "a.txt", "--output-dir", blocker / "out")
+
+
 def test_empty_input_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
@@ -268,7 +310,7 @@ def test_empty_input_is_an_error(tmp_path):
         with pytest.raises(SystemExit) as exc:
             run("--input", tmp_path / path, "--output-dir", tmp_path / "out", "--workers", 1, *extra)
         assert "empty input" in str(exc.value)
-        assert not list(tmp_path.glob("out/*"))
+        assert not (tmp_path / "out").exists()
 
 
 def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):

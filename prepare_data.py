@@ -34,6 +34,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -130,26 +131,62 @@ def write_shard(path, tokens):
         raise
 
 
-def _tokenize_docs(texts):
-    """<|endoftext|> + tokens of each document, all concatenated into one uint16 array (compact
-    to send between processes)."""
+PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
+# where a part may end: before a newline that follows a letter or digit. GPT-2's pre-tokenizer
+# never puts those two characters in one piece and looks ahead only within whitespace, so the
+# tokens of the parts are the tokens of the whole document (tested)
+PART_END = re.compile(r"(?<=[^\W_])\n")
+
+
+def _parts(texts):
+    """Yields (part, first) for each text: the text itself, or for one longer than PART_CHARS its
+    consecutive parts, cut at PART_END; first is True for a document's first part."""
+    for text in texts:
+        start = 0
+        while len(text) - start > 2 * PART_CHARS:
+            cut = PART_END.search(text, start + PART_CHARS)
+            if cut is None:
+                break
+            yield text[start:cut.start()], start == 0
+            start = cut.start()
+        yield text[start:], start == 0
+
+
+def _tokenize_parts(parts):
+    """<|endoftext|> before each document, then the tokens of each part, all concatenated into
+    one uint16 array (compact to send between processes); and the parts' size in UTF-8 bytes."""
     encode = gpt2_encoding().encode_ordinary
-    return np.concatenate([np.array([EOT_TOKEN, *encode(text)], dtype=np.uint16) for text in texts])
+    tokens = [np.array([EOT_TOKEN] * first + encode(text), dtype=np.uint16) for text, first in parts]
+    return np.concatenate(tokens), sum(len(text.encode("utf-8")) for text, _ in parts)
+
+
+def _batches(parts, docs_per_task):
+    """Groups parts into lists of at most docs_per_task parts and about PART_CHARS characters,
+    so that progress moves within a long document too."""
+    batch, chars = [], 0
+    for part in parts:
+        batch.append(part)
+        chars += len(part[0])
+        if len(batch) == docs_per_task or chars >= PART_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def _tokenized(texts, workers, docs_per_task=256):
-    """Yield token arrays, each the documents of one batch of `texts`, in input order."""
-    texts = iter(texts)
-    batches = iter(lambda: list(itertools.islice(texts, docs_per_task)), [])
+    """Yields (tokens, bytes) for each batch of the documents `texts`, in input order: the batch's
+    token array (<|endoftext|> before each document) and how many UTF-8 bytes of text it holds."""
+    batches = _batches(_parts(texts), docs_per_task)
     if workers == 1:
-        yield from map(_tokenize_docs, batches)
+        yield from map(_tokenize_parts, batches)
         return
     with multiprocessing.Pool(workers) as pool:
         # a bounded window of tasks in flight: memory stays flat however long the input, the
         # workers never wait for a whole round to finish, and results come back in order
         in_flight = collections.deque()
         for batch in batches:
-            in_flight.append(pool.apply_async(_tokenize_docs, (batch,)))
+            in_flight.append(pool.apply_async(_tokenize_parts, (batch,)))
             if len(in_flight) > 2 * workers:
                 yield in_flight.popleft().get()
         while in_flight:
@@ -421,10 +458,13 @@ def _write_shards(args, sources, what, name, staging):
         val_tokens = args.shard_size  # as build-nanogpt does for FineWeb-Edu; no counting pass
     elif val_tokens is None:
         total = 0
-        with tqdm(desc="counting tokens", unit="tok", unit_scale=True) as bar:
-            for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+        size = sum(os.path.getsize(where) for where, _ in sources)  # local files: a known total
+        with tqdm(total=size, desc="counting tokens", unit="B", unit_scale=True) as bar:
+            for tokens, n_bytes in _tokenized(_texts(sources, args.text_field), args.workers):
                 total += len(tokens)
-                bar.update(len(tokens))
+                bar.update(n_bytes)
+                bar.set_postfix_str(f"{total:,} tokens")
+            bar.update(size - bar.n)  # the bytes of json and parquet that are not text
         if total == 0:
             raise _error(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
@@ -432,7 +472,7 @@ def _write_shards(args, sources, what, name, staging):
     writer = _ShardWriter(staging, name, args.shard_size)
     val_left = val_tokens
     with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
-        for tokens in _tokenized(_texts(sources, args.text_field), args.workers):
+        for tokens, _ in _tokenized(_texts(sources, args.text_field), args.workers):
             bar.update(len(tokens))
             if val_left:
                 head = tokens[:val_left]

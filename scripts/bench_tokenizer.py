@@ -66,7 +66,7 @@ def main(argv=None):
         tik_tokens, tik_s = best_time(
             lambda: sum(map(len, enc.encode_ordinary_batch(docs, num_threads=n))), args.trials)
         pd_tokens, pd_s = best_time(
-            lambda: sum(len(a) for a in prepare_data._tokenized(docs, n)), args.trials)
+            lambda: sum(len(a) for a, _ in prepare_data._tokenized(docs, n)), args.trials)
         if pd_tokens != tik_tokens + len(docs):
             sys.exit(f"token counts disagree: prepare_data {pd_tokens}, tiktoken {tik_tokens} "
                      f"+ {len(docs)} documents")

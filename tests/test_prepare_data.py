@@ -139,6 +139,20 @@ def test_same_input_gives_identical_bytes(default_run, tmp_path):
         assert (tmp_path / name).read_bytes() == (default_run / name).read_bytes()
 
 
+def test_long_documents_are_tokenized_in_parts_with_the_same_tokens(monkeypatch):
+    """A long document is cut into parts before a newline that follows a letter or digit, so that
+    progress moves within it; the parts' tokens are the whole document's."""
+    monkeypatch.setattr(prepare_data, "PART_CHARS", 500)
+    shakespeare = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8")
+    mixed = "".join(f"Line {i}: Ça va? Привет 你好 ½ 🤖 x²\n\n  \t{i}\n'tis\n" for i in range(300))
+    for text in (shakespeare[:200_000], mixed):
+        batches = list(prepare_data._tokenized([text, "a short one"], 1))
+        assert len(batches) > 10
+        tokens = np.concatenate([t for t, _ in batches]).tolist()
+        assert tokens == doc_tokens(text, "a short one")
+        assert sum(n for _, n in batches) == len(text.encode("utf-8")) + len("a short one")
+
+
 # ---------------------------------------------------------------------------- local inputs
 
 

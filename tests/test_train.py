@@ -1,5 +1,6 @@
 """Config parsing, the model's shape and names, the loader, and DDP against one process."""
 
+import re
 import subprocess
 import sys
 
@@ -232,8 +233,10 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     """
     common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=6",
               "--bias=false"]
-    run_training([*common, f"--out_dir={tmp_path}/one"])
+    console = run_training([*common, f"--out_dir={tmp_path}/one"]).stdout
     run_training([*common, f"--out_dir={tmp_path}/two"], nproc=2)
+    # progress: each step of max_steps, and the time left at the average pace
+    assert re.search(r"^step +5/6 \| loss: [\d.]+ \| .* \| tok/sec: [\d.]+ \| eta 0:00:00$", console, re.M)
     (steps1, evals1), (steps2, evals2) = read_log(tmp_path / "one"), read_log(tmp_path / "two")
     assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(6))
     np.testing.assert_allclose([s["loss"] for s in steps2], [s["loss"] for s in steps1], rtol=1e-5)

@@ -174,8 +174,15 @@ def test_loader_state_dict_resumes_position(tmp_path):
     b = loader(tmp_path)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next_batch()[0], b.next_batch()[0])
-    with pytest.raises(UserError, match="keep micro_batch_size\\*seq_len"):
-        loader(tmp_path, B=4).load_state_dict(a.state_dict())
+    # another micro_batch_size reads on from the same token: the next 2 sequences of B=1 are
+    # the next micro-batch of B=2
+    c = loader(tmp_path, B=1)
+    c.load_state_dict(b.state_dict())
+    assert torch.equal(torch.cat([c.next_batch()[0], c.next_batch()[0]]), b.next_batch()[0])
+    with pytest.raises(UserError, match="stopped at token .*, not a whole number of this run's "
+                                        "micro-batches of 5\\*16 tokens: resume with the "
+                                        "checkpoint's seq_len and total_batch_size"):
+        loader(tmp_path, B=5).load_state_dict(a.state_dict())  # 192 tokens read
 
 
 def corrupt_empty(path):

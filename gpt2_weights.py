@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from prepare_data import gpt2_encoding
-from train_gpt2 import GPT, Config, UserError
+from configurator import UserError
+from train_gpt2 import GPT, Config
 
 HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from prepare_data import gpt2_encoding
-from train_gpt2 import UserError
+from configurator import UserError
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042

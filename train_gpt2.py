@@ -25,18 +25,15 @@ a random state derived from (seed, step, m) alone. So world size changes only th
 
 import ctypes
 import dataclasses
-import difflib
 import gc
 import hashlib
 import json
 import math
-import inspect
 import os
 import re
 import signal
 import sys
 import time
-import tomllib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,14 +48,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
+import configurator
+from configurator import UserError
 from prepare_data import gpt2_encoding  # GPT-2's tokenizer, built offline from assets/, for samples
 
 # -----------------------------------------------------------------------------
 # Config
-
-
-class UserError(Exception):
-    """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
 
 
 @dataclass
@@ -141,69 +136,10 @@ CONFIG_RULES = {
 }
 
 
-def cast_value(key, raw, typ):
-    """Casts a TOML or command-line value to a config field's type. `--max_steps=1e4` gives 10000.
-
-    Raises UserError naming the key, the value and the expected type.
-    """
-    try:
-        if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
-            raise ValueError  # a TOML array, table or boolean where a number or string belongs
-        if typ is bool:
-            if isinstance(raw, bool):
-                return raw
-            if str(raw).lower() in ("true", "1", "yes"):
-                return True
-            if str(raw).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
-        if typ is int:
-            value = float(raw)
-            if value != int(value):
-                raise ValueError
-            return int(value)
-        if typ is float:
-            return float(raw)
-        return str(raw)
-    except (ValueError, OverflowError):
-        raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
-
-
 def load_config(argv):
-    """Builds a Config from `[CONFIG.toml] [--key=value ...]`: the file first, then the overrides.
-
-    Raises UserError for an unknown key (naming the closest valid one), a value of the wrong type,
-    a malformed argument, or a missing config file.
-    """
-    fields = {f.name: f.type for f in dataclasses.fields(Config)}
-    values = {}
-    if argv and not argv[0].startswith("--"):
-        path = Path(argv[0])
-        if not path.is_file():
-            raise UserError(f"config file {path} not found (see configs/ for examples)")
-        try:
-            with open(path, "rb") as f:
-                values.update(tomllib.load(f))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config file {path} is not valid TOML: {e}") from None
-        argv = argv[1:]
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
-        key, raw = arg[2:].split("=", 1)
-        values[key] = raw
-    kwargs = {}
-    for key, raw in values.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise UserError(f"unknown config key {key!r}{hint}")
-        kwargs[key] = cast_value(key, raw, fields[key])
-    config = Config(**kwargs)
-    for key, (allowed, rule) in CONFIG_RULES.items():
-        value = getattr(config, key)
-        if not (value in allowed if isinstance(allowed, tuple) else allowed(value)):
-            raise UserError(f"config key {key!r} must be {rule}, got {value!r}")
+    """Builds a Config from `[CONFIG.toml] [--key=value ...]` (configurator.py), then checks what
+    involves several keys. Raises UserError, in one line, for any bad input."""
+    config = configurator.load_config(argv, Config, CONFIG_RULES)
     if config.eval_interval > 0 and config.val_batches < 1:
         raise UserError(f"config key 'val_batches' must be >= 1 when eval_interval > 0, got "
                         f"{config.val_batches}; or pass --eval_interval=0 to turn eval off")
@@ -1152,13 +1088,9 @@ def train(config, rank, world_size, master_process, device):
 
 
 if __name__ == "__main__":
-    sys.modules["train_gpt2"] = sys.modules[__name__]  # hellaswag.py and gpt2_weights.py import it
     if {"-h", "--help"} & set(sys.argv[1:]):
-        # each key's description is the comment on its line in Config, beside its default
-        comments = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
         print(__doc__ + "\nConfig keys, their defaults and what they do:")
-        for field in dataclasses.fields(Config):
-            print(f"  --{field.name}={field.default}".ljust(40) + f"  {comments[field.name]}")
+        print("\n".join(configurator.help_lines(Config)))
         sys.exit(0)
     try:
         sys.exit(main(sys.argv[1:]))

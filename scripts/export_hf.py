@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt2_weights import load_model, save_hf  # noqa: E402
-from train_gpt2 import UserError  # noqa: E402
+from configurator import UserError  # noqa: E402
 
 
 def main(argv):

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt2_weights import load_model  # noqa: E402
 from prepare_data import gpt2_encoding  # noqa: E402
-from train_gpt2 import UserError  # noqa: E402
+from configurator import UserError  # noqa: E402
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=sys.stdout):

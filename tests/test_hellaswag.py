@@ -15,7 +15,7 @@ import hellaswag
 from conftest import ROOT, write_hellaswag
 from gpt2_weights import load_model
 from prepare_data import gpt2_encoding
-from train_gpt2 import UserError
+from configurator import UserError
 
 NATURAL = [  # examples in the official schema, shortened from the style of the val split
     {"ctx": "A man is sitting on a roof. He", "label": 3, "endings": [

@@ -1,0 +1,96 @@
+"""
+Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py:
+a TOML file, then --key=value overrides, each cast to the dataclass field's type and checked
+against its rule; and the --help text, from the comment on each field's line.
+
+Every mistake is a UserError, which the scripts print as one line that says how to fix it.
+"""
+
+import dataclasses
+import difflib
+import inspect
+import re
+import tomllib
+from pathlib import Path
+
+
+class UserError(Exception):
+    """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
+
+
+def cast_value(key, raw, typ):
+    """Casts a TOML or command-line value to a config field's type. `--max_steps=1e4` gives 10000.
+
+    Raises UserError naming the key, the value and the expected type.
+    """
+    try:
+        if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
+            raise ValueError  # a TOML array, table or boolean where a number or string belongs
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "1", "yes"):
+                return True
+            if str(raw).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if typ is int:
+            value = float(raw)
+            if value != int(value):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(raw)
+        return str(raw)
+    except (ValueError, OverflowError):
+        raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
+
+
+def load_config(argv, config_class, rules):
+    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file first, then the
+    overrides. `rules` maps keys to (a predicate, or a tuple of the allowed values; the rule in
+    words), checked on the result.
+
+    Raises UserError for a missing or malformed config file (naming the line), an unknown key
+    (naming the closest valid one), a value of the wrong type or against its rule, or a
+    malformed argument.
+    """
+    fields = {f.name: f.type for f in dataclasses.fields(config_class)}
+    values = {}
+    if argv and not argv[0].startswith("--"):
+        path = Path(argv[0])
+        if not path.is_file():
+            raise UserError(f"config file {path} not found (see configs/ for examples)")
+        try:
+            with open(path, "rb") as f:
+                values.update(tomllib.load(f))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"config file {path} is not valid TOML: {e}") from None
+        argv = argv[1:]
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
+        key, raw = arg[2:].split("=", 1)
+        values[key] = raw
+    kwargs = {}
+    for key, raw in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"unknown config key {key!r}{hint}")
+        kwargs[key] = cast_value(key, raw, fields[key])
+    config = config_class(**kwargs)
+    for key, (allowed, rule) in rules.items():
+        value = getattr(config, key)
+        if not (value in allowed if isinstance(allowed, tuple) else allowed(value)):
+            raise UserError(f"config key {key!r} must be {rule}, got {value!r}")
+    return config
+
+
+def help_lines(config_class):
+    """`--key=default  description` for each field, the description being the comment on the
+    field's line in the class's source."""
+    source = inspect.getsource(config_class)
+    comments = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", source, re.M))
+    return [f"  --{f.name}={f.default}".ljust(40) + f"  {comments[f.name]}"
+            for f in dataclasses.fields(config_class)]

@@ -44,11 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
 import configurator
+import memory_plan
 from configurator import UserError
 from prepare_data import gpt2_encoding  # GPT-2's tokenizer, built offline from assets/, for samples
 
@@ -74,6 +76,7 @@ class Config:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for faster kernels
     dropout: float = 0.0  # in [0, 1): on embeddings, attention and residual branches
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward
     # batch: one optimizer step sees total_batch_size tokens
     micro_batch_size: int = 64  # B, sequences per forward per process
     seq_len: int = 1024  # T, tokens per sequence
@@ -247,7 +250,12 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x)
+            if self.config.activation_checkpointing and self.training:
+                # keep only the block's input; the backward runs its forward again, restoring
+                # the RNG state first so that dropout draws the same masks (preserve_rng_state)
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
@@ -864,6 +872,7 @@ def train(config, rank, world_size, master_process, device):
         torch._inductor.config.fallback_random = True
     mode = SHARDING_MODES[config.sharding](raw_model, config, rank, world_size, device)
     model, optimizer = mode.model, mode.optimizer
+    log(memory_plan.summary(config, world_size, device.type))
     flops_per_step = raw_model.flops_per_token(T) * config.total_batch_size
     peak = peak_flops(device)
     if peak is None:

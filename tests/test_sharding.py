@@ -104,3 +104,25 @@ def test_zero2_trace_shows_reduce_scatters_launched_during_the_backward(equiv_da
     for window in syncing:
         inside = [e for e in scatters if window["ts"] <= e["ts"] < window["ts"] + window["dur"]]
         assert len(inside) > 1
+
+
+@pytest.mark.parametrize("mode, world_size", [("ddp", 1), ("zero2", 2), ("fsdp", 2)])
+def test_activation_checkpointing_changes_no_number(mode, world_size, equiv_runs, equiv_runs_dir,
+                                                    equiv_data_dir, sharded_runs, tmp_path):
+    """With activation_checkpointing the backward recomputes each block's forward, dropout 0.1
+    included (its RNG state is restored): the losses, val losses and final weights are bitwise
+    those of the same run without it. One world size per mode: in exact mode world sizes 1 and 2
+    are bitwise the same run (tested above), so ddp at 1 and the sharded modes at 2 cover both."""
+    if mode == "ddp":
+        args = [*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)]
+        reference, reference_dir = equiv_runs[1], equiv_runs_dir / "world_size_1"
+    else:
+        args = [*seeded_args(mode, equiv_data_dir), f"--sharding={mode}"]
+        reference = sharded_runs[mode][0][world_size]
+        reference_dir = sharded_runs[mode][2] / f"world_size_{world_size}"
+    result = compare([*args, "--activation_checkpointing=true"], [world_size], tmp_path)[world_size]
+    for key in ("loss", "val_loss", "hellaswag"):
+        assert result[key] == reference[key], key
+    final = sorted(reference_dir.glob("ckpt_*.pt"))[-1].name
+    assert_same_tensors(torch.load(tmp_path / f"world_size_{world_size}" / final, weights_only=True)["model"],
+                        torch.load(reference_dir / final, weights_only=True)["model"])

@@ -1,0 +1,80 @@
+"""memory_plan.py against what a CPU step holds, activation checkpointing against runs without it
+(in test_sharding.py's and test_equivalence.py's runs), and the GPT-2 size configs kept runnable."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memory_plan
+from conftest import ROOT, TINY, read_log, run_training
+from train_gpt2 import GPT, Config, load_config
+
+SMALL = Config(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512, micro_batch_size=4,
+               seq_len=128, sharding="ddp")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_plan_matches_what_a_cpu_step_holds(checkpointing):
+    """Parameters, gradients and AdamW state exactly; the tensors saved for the backward within 3%
+    (the formula leaves out a few (B, T) index and statistics tensors). Without checkpointing, the
+    recomputed block the plan adds for the backward is not saved in the forward."""
+    config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing)
+    planned = memory_plan.plan(config, 1, "cpu")
+    measured = memory_plan.measure(config)
+    for part in ("parameters", "gradients", "AdamW state"):
+        assert measured[part] == planned[part], part
+    recomputed = 0
+    if checkpointing:  # one block's activations exist only while the backward recomputes it
+        recomputed = config.seq_len * config.micro_batch_size * config.n_embd * (14 * 4 + 2 * 4)
+    assert measured["activations"] == pytest.approx(planned["activations"] - recomputed, rel=0.03)
+
+
+def test_parameter_count_of_every_shipped_gpt2_config():
+    for name in ("124m", "350m", "774m", "1558m"):
+        config = load_config([str(ROOT / "configs" / f"gpt2_{name}.toml")])
+        with torch.device("meta"):
+            model = GPT(config)
+        assert memory_plan.n_params(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_sharding_and_checkpointing_fit_larger_micro_batches():
+    config = load_config([str(ROOT / "configs" / "gpt2_1558m.toml")])
+    gb80 = 80 * memory_plan.GB
+    fits = {(mode, ckpt): memory_plan.max_micro_batch(
+        dataclasses.replace(config, sharding=mode, activation_checkpointing=ckpt), 8, "cuda", gb80)
+        for mode in ("ddp", "zero2", "fsdp") for ckpt in (False, True)}
+    for ckpt in (False, True):
+        assert fits[("ddp", ckpt)] < fits[("zero2", ckpt)] < fits[("fsdp", ckpt)]
+    for mode in ("ddp", "zero2", "fsdp"):
+        assert fits[(mode, False)] < fits[(mode, True)]
+    # the largest fits 90% of the memory, one more does not; the shipped config is among those
+    largest = dataclasses.replace(config, micro_batch_size=fits[("zero2", False)])
+    assert memory_plan.plan(largest, 8, "cuda")["total"] <= 0.9 * gb80
+    one_more = dataclasses.replace(largest, micro_batch_size=largest.micro_batch_size + 1)
+    assert memory_plan.plan(one_more, 8, "cuda")["total"] > 0.9 * gb80
+    assert config.sharding == "zero2" and config.micro_batch_size <= fits[("zero2", False)]
+
+
+def test_script_prints_the_plan_and_what_fits():
+    proc = subprocess.run([sys.executable, "memory_plan.py", "configs/gpt2_1558m.toml",
+                           "--world_size", "8", "--gpu_memory", "80"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("48 layers, n_embd 1600: 1558M parameters; 8 ranks of cuda")
+    assert lines[1].split()[-1] == "total" and lines[2].startswith("planned GB")
+    assert [line.split()[0] for line in lines[-3:]] == ["ddp", "zero2", "fsdp"]
+
+
+def test_gpt2_1558m_config_runs_on_cpu_with_tiny_sizes(tmp_path, tiny_data):
+    """The 1.5B config with its sizes overridden: its sharding (zero2) and schedule keys run, with
+    activation checkpointing, and the plan is printed before the first step."""
+    out = run_training(["configs/gpt2_1558m.toml", *TINY, f"--data_dir={tiny_data}",
+                        f"--out_dir={tmp_path}", "--total_batch_size=64", "--max_steps=3",
+                        "--hellaswag_interval=0", "--val_batches=2", "--activation_checkpointing=true",
+                        "--warmup_steps=1"]).stdout
+    assert "memory plan per rank: parameters" in out and "zero2, activation checkpointing on" in out
+    steps, _ = read_log(tmp_path)
+    assert [s["step"] for s in steps] == [0, 1, 2]

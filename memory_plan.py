@@ -106,7 +106,8 @@ def summary(config, world_size, device_type):
 def measure(config):
     """One training forward and backward of `config` on the CPU, one process: the bytes of
     parameters, gradients and AdamW state held, and of the tensors saved for the backward (each
-    storage once, parameters excluded), as plan() names them."""
+    storage once, parameters excluded), as plan() names them. With activation checkpointing,
+    the activations add those one block saves when the backward recomputes it."""
     import torch
 
     from train_gpt2 import GPT
@@ -124,6 +125,9 @@ def measure(config):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _, loss = model(idx, idx)
+        if config.activation_checkpointing:  # one block as the backward recomputes it
+            x = torch.randn(config.micro_batch_size, config.seq_len, config.n_embd, requires_grad=True)
+            model.transformer.h[0](x)
     loss.backward()
     optimizer = torch.optim.AdamW(model.parameters())
     optimizer.step()

@@ -114,7 +114,7 @@ class Config:
     compile: bool = True  # torch.compile the model
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
-    profile: bool = False  # the master writes a torch.profiler trace of 3 steps to out_dir
+    profile: bool = False  # each rank writes a torch.profiler trace of 3 steps to out_dir
 
 
 POSITIVE = (lambda v: v > 0, "> 0")
@@ -997,8 +997,8 @@ def train(config, rank, world_size, master_process, device):
         return interval > 0 and (step % interval == 0 or step == config.max_steps - 1)
 
     profiler = None
-    if config.profile and master_process:  # steps 3, 4 and 5 of this run, after warm-up
-        trace = out_dir / "trace.json"
+    if config.profile:  # steps 3, 4 and 5 of this run, after warm-up; scripts/timeline.py draws them
+        trace = out_dir / f"trace_rank{rank}.json"
         profiler = torch.profiler.profile(
             record_shapes=True,  # the collectives' sizes: bytes communicated per step
             schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
@@ -1040,9 +1040,10 @@ def train(config, rank, world_size, master_process, device):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     record_function("forward_backward_sync" if last_micro_step else "forward_backward"):
                 torch.manual_seed(derived_seed(config.seed, step, m))
-                with autocast:
+                with autocast, record_function("forward"):
                     _, loss = model(x, y)
-                (loss / loss_divisor).backward()
+                with record_function("backward"):
+                    (loss / loss_divisor).backward()
             loss_sum += loss.detach()
         # the step's loss sum carries, in the same all-reduce, whether any rank was asked to stop
         totals = torch.stack([loss_sum, torch.tensor(float(len(stop_signals)), device=device,

@@ -12,7 +12,7 @@ state one rank holds, and the bytes one rank hands to collectives per step.
 
 Each variant is a run of train_gpt2.py (torchrun when --nproc > 1) with the config, the variant's
 overrides, `--profile=true` and the extra `--key=value` arguments given here. Steps 3-5 are
-profiled by torch.profiler (the master's trace is written to {out}/{variant}/trace.json, open it
+profiled by torch.profiler (rank 0's trace is written to {out}/{variant}/trace_rank0.json, open it
 in chrome://tracing or perfetto) and give the time split; the tokens/s median is taken over
 the unprofiled steps after them. The all-reduce wait is the extra time of the last micro-step,
 the one that syncs, over the others (so it needs grad_accum_steps > 1; '-' otherwise).
@@ -70,7 +70,7 @@ def run(name, overrides, args, train_args):
     records = [json.loads(line) for line in open(out / "log.jsonl")]
     for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
         checkpoint.unlink()
-    return records, out / "trace.json"
+    return records, out / "trace_rank0.json"
 
 
 def time_split(events):

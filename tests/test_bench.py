@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import timeline
 from conftest import ROOT, TINY, make_shards
 from train_gpt2 import GPT, load_config
 
@@ -36,7 +37,13 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     assert comm_mb["eager"] == pytest.approx(n_params * 4 / 2**20, rel=0.01)
     assert comm_mb["exact"] == pytest.approx(2 * comm_mb["eager"], rel=0.01)
     # the trace of the profiled steps has the loop's ranges and gloo's all-reduces
-    trace = json.load(open(tmp_path / "bench" / "eager" / "trace.json"))["traceEvents"]
+    trace = json.load(open(tmp_path / "bench" / "eager" / "trace_rank0.json"))["traceEvents"]
     names = {e.get("name") for e in trace}
     assert {"data", "forward_backward", "forward_backward_sync", "optimizer"} <= names
     assert any("allreduce" in str(n) or "all_reduce" in str(n) for n in names)
+    # scripts/timeline.py: ddp's collectives are all-reduces, its compute the loop's ranges
+    compute, comm = timeline.lanes({"traceEvents": trace}, steps=3)
+    assert {kind for kind, _, _ in comm} == {"all_reduce"}
+    assert {kind for kind, _, _ in compute} == {"data", "forward", "backward", "optimizer"}
+    with pytest.raises(SystemExit, match="no trace_rank\\*.json in"):
+        timeline.main([str(tmp_path)])

@@ -1,0 +1,141 @@
+"""
+Draws the profiler traces of a run as a PNG timeline: per rank, one lane of compute (data,
+forward, backward, optimizer) and one lane of collectives (all-reduce, reduce-scatter,
+all-gather, broadcast), so that what overlaps shows at a glance. train_gpt2.py --profile=true
+makes each rank write trace_rank{R}.json (steps 3-5) into its out_dir.
+
+    torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml \
+        --profile=true --max_steps=6 --out_dir=out/profile --resume=never --overwrite=true
+    python scripts/timeline.py out/profile                     # out/profile/timeline.png
+    python scripts/timeline.py out/profile --steps 2 --out ddp.png --title "ddp, 2 ranks"
+
+CPU traces (gloo) show collectives as the gloo worker threads run them; CUDA traces as the NCCL
+kernels run on the GPU, and compute as the GPU ran the ranges (gpu_user_annotation) when the
+trace has them. Each rank's time starts at its first profiled step. Needs matplotlib.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+COMPUTE = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange",
+           "optimizer": "tab:green"}
+COLLECTIVES = {"all_reduce": "tab:red", "reduce_scatter": "tab:purple", "all_gather": "tab:cyan",
+               "broadcast": "tab:olive"}
+
+
+def collective_kind(name):
+    """The COLLECTIVES key an event's name stands for, or None: c10d's ops (c10d::allreduce_,
+    c10d::_reduce_scatter_base_), gloo's ranges and NCCL's kernels (ncclDevKernel_AllGather_...)."""
+    flat = re.sub(r"[^a-z]", "", name.lower())
+    return next((kind for kind in COLLECTIVES if kind.replace("_", "") in flat), None)
+
+
+def gloo_collectives(events):
+    """(kind, event) for each collective gloo ran. gloo's ranges time the work on its own threads
+    but name what gloo ran (a reduce-scatter runs as gloo:all_reduce); the c10d op that issued it,
+    on the main thread, names what was asked. Each gloo family runs its ops in issue order, so
+    the n-th gloo:all_reduce is the n-th op issued as an all-reduce or a reduce-scatter."""
+    issued = {}  # the gloo range's kind -> the kinds c10d issued to it, in order
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["name"].startswith("c10d::") and (kind := collective_kind(e["name"])):
+            ran_as = "all_reduce" if kind == "reduce_scatter" else kind
+            issued.setdefault(ran_as, []).append(kind)
+    runs = sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"])
+    queues = {kind: iter(kinds) for kind, kinds in issued.items()}
+    for e in runs:
+        ran_as = collective_kind(e["name"])
+        if ran_as:
+            yield next(queues.get(ran_as, iter(())), ran_as), e
+
+
+def lanes(trace, steps):
+    """The first `steps` profiled steps of one rank's chrome trace as (compute, collectives):
+    lists of (kind, start_ms, duration_ms), times from the first step's start. Raises SystemExit
+    with one line for a trace without profiled steps."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e["name"].startswith("ProfilerStep#"))
+    if not windows:
+        raise SystemExit("timeline.py: error: no ProfilerStep in the trace: was it written by "
+                         "train_gpt2.py --profile=true?")
+    start, end = windows[0][0], windows[min(steps, len(windows)) - 1][1]
+    ranges = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
+              else "user_annotation")
+    kernels = [(collective_kind(e["name"]), e) for e in events
+               if e.get("cat") == "kernel" and "nccl" in e["name"].lower() and collective_kind(e["name"])]
+
+    def span(e):
+        return (e["ts"] - start) / 1000, e["dur"] / 1000
+
+    compute = [(e["name"], *span(e)) for e in events
+               if e["name"] in COMPUTE and e.get("cat") == ranges and start <= e["ts"] < end]
+    comm = [(kind, *span(e)) for kind, e in (kernels or gloo_collectives(events))
+            if start <= e["ts"] < end]
+    return compute, comm
+
+
+def draw(traces, out, steps, title):
+    """traces: {rank: chrome trace dict}. Writes the PNG `out` (temp file, then rename)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("timeline.py: error: matplotlib is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    ranks = sorted(traces)
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(ranks)))
+    labels = []
+    for i, rank in enumerate(ranks):
+        compute, comm = lanes(traces[rank], steps)
+        y = 2 * (len(ranks) - 1 - i)
+        for lane_y, spans, colors in ((y + 1, compute, COMPUTE), (y, comm, COLLECTIVES)):
+            for kind, start, duration in spans:
+                ax.broken_barh([(start, max(duration, 0.05))], (lane_y + 0.1, 0.8),
+                               facecolors=colors[kind], edgecolor="black", linewidth=0.2)
+        labels += [(y + 0.5, f"rank {rank} collectives"), (y + 1.5, f"rank {rank} compute")]
+    ax.set_yticks([pos for pos, _ in labels], [text for _, text in labels])
+    ax.set_xlabel("ms from the first profiled step")
+    ax.set_title(title or f"{len(ranks)} rank(s), {steps} profiled step(s)")
+    legend = {**COMPUTE, **COLLECTIVES}
+    ax.legend(handles=[Patch(color=c, label=k.replace("_", "-")) for k, c in legend.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
+              ncol=len(legend), fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    tmp = Path(str(out) + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("run", help="an out_dir holding trace_rank*.json, or one trace file")
+    parser.add_argument("--steps", type=int, default=1, help="profiled steps to draw (1-3)")
+    parser.add_argument("--out", help="the PNG (default: timeline.png beside the traces)")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    paths = sorted(run.glob("trace_rank*.json")) if run.is_dir() else [run]
+    if not paths:
+        raise SystemExit(f"timeline.py: error: no trace_rank*.json in {run}: run train_gpt2.py "
+                         f"with --profile=true and at least 6 steps")
+    traces = {}
+    for path in paths:
+        match = re.search(r"rank(\d+)", path.name)
+        try:
+            traces[int(match[1]) if match else 0] = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"timeline.py: error: cannot read {path}: {e}")
+    out = args.out or (run if run.is_dir() else run.parent) / "timeline.png"
+    draw(traces, out, args.steps, args.title)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

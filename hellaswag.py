@@ -173,8 +173,8 @@ def ending_losses(model, tokens, mask, autocast=None):
 def evaluate(model, examples, device, rank=0, world_size=1, autocast=None):
     """acc_norm and acc of `model` over `examples` (from render_all), split over the ranks:
     example i goes to rank i % world_size, and the counts are summed over ranks, so the result is
-    that of one process. Every rank runs as many forwards (FSDP's all-gathers must pair up); a rank out of examples
-    scores its last again, uncounted.
+    that of one process. Every rank runs as many forwards (FSDP's all-gathers must pair up): a
+    rank out of examples scores its last again, uncounted.
 
     Returns {"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"}: two fractions in [0, 1]
     and the number of examples. Leaves the model in eval mode; the caller restores train mode.

@@ -5,7 +5,7 @@ train_gpt2.py prints the plan's total before its first step.
 
     python memory_plan.py configs/gpt2_1558m.toml --world_size 8 --gpu_memory 80
     python memory_plan.py configs/gpt2_774m.toml --sharding=fsdp --activation_checkpointing=true
-    python memory_plan.py configs/shakespeare_cpu.toml --device cpu --measure  # against a step
+    python memory_plan.py configs/shakespeare_cpu.toml --device cpu --world_size 1 --measure
 
 Sources. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit
@@ -96,9 +96,11 @@ def max_micro_batch(config, world_size, device_type, memory_bytes, usable=0.9):
 
 
 def summary(config, world_size, device_type):
-    """One line for train_gpt2.py's console: the plan's parts and total in GB."""
+    """One line for train_gpt2.py's console: the plan's parts and total, in GB (MB under 1 GB)."""
     parts = plan(config, world_size, device_type)
-    return ("memory plan per rank: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in parts.items())
+    unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
+    sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
+    return (f"memory plan per rank: {sizes}"
             + f" (micro_batch_size {config.micro_batch_size}, {config.sharding}, activation "
             f"checkpointing {'on' if config.activation_checkpointing else 'off'})")
 
@@ -151,6 +153,8 @@ def main(argv):
     parser.add_argument("--measure", action="store_true",
                         help="also run one step of the config on the CPU and compare")
     args, config_args = parser.parse_known_args(argv)
+    if args.measure and (args.world_size != 1 or args.device != "cpu"):
+        parser.error("--measure runs one CPU process: pass --world_size 1 --device cpu with it")
     from configurator import UserError
     from train_gpt2 import load_config
     try:

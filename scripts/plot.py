@@ -64,14 +64,31 @@ def smooth(values):
     return (sums[1:] - sums[np.maximum(0, np.arange(1, len(values) + 1) - window)]) / counts
 
 
-def plot(runs, out):
-    """Draws `runs` ({label: records}) into the PNG `out`, written to a temp file then renamed."""
+def pyplot(script):
+    """matplotlib.pyplot, drawing to files only; SystemExit with one line, naming `script`, if
+    matplotlib (an optional dependency) is not installed."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plot.py: error: matplotlib is not installed: pip install matplotlib")
+        raise SystemExit(f"{script}: error: matplotlib is not installed: pip install matplotlib")
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
+    return plt
+
+
+def save_png(fig, out):
+    """Writes the figure to the PNG `out` (a temp file, then a rename) and closes it."""
+    fig.tight_layout()
+    tmp = Path(str(out) + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def plot(runs, out):
+    """Draws `runs` ({label: records}) into the PNG `out`."""
+    plt = pyplot("plot.py")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
     for ax, (title, key, scale) in zip(axes.flat, PANELS):
         ax.set_title(title)
@@ -99,11 +116,7 @@ def plot(runs, out):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = Path(str(out) + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    save_png(fig, out)
 
 
 def main(argv):

@@ -16,10 +16,11 @@ trace has them. Each rank's time starts at its first profiled step. Needs matplo
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
+
+from plot import pyplot, save_png  # beside this script
 
 COMPUTE = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange",
            "optimizer": "tab:green"}
@@ -65,8 +66,8 @@ def lanes(trace, steps):
     start, end = windows[0][0], windows[min(steps, len(windows)) - 1][1]
     ranges = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
               else "user_annotation")
-    kernels = [(collective_kind(e["name"]), e) for e in events
-               if e.get("cat") == "kernel" and "nccl" in e["name"].lower() and collective_kind(e["name"])]
+    kernels = [(collective_kind(e["name"]), e) for e in events if e.get("cat") == "kernel"
+               and "nccl" in e["name"].lower() and collective_kind(e["name"])]
 
     def span(e):
         return (e["ts"] - start) / 1000, e["dur"] / 1000
@@ -80,12 +81,7 @@ def lanes(trace, steps):
 
 def draw(traces, out, steps, title):
     """traces: {rank: chrome trace dict}. Writes the PNG `out` (temp file, then rename)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("timeline.py: error: matplotlib is not installed: pip install matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("timeline.py")
     from matplotlib.patches import Patch
     ranks = sorted(traces)
     fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(ranks)))
@@ -106,11 +102,7 @@ def draw(traces, out, steps, title):
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
               ncol=len(legend), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    tmp = Path(str(out) + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
+    save_png(fig, out)
 
 
 def main(argv):

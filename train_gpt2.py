@@ -805,7 +805,7 @@ def main(argv):
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's store outlives a worker restart, keys and all, and restarted workers would
             # read the dead ones' addresses (pytorch#135712): each attempt gets its own prefix. The
-            # count is per node, so multi-node restarts still need scripts/train_resilient.sh
+            # count is per node, so restarts across nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
             store = dist.PrefixStore(
                 f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -1009,6 +1009,7 @@ def train(config, rank, world_size, master_process, device):
     # Training loop
     dt_avg = 0.0  # seconds per step, for the ETA
     stop, stop_signals = False, catch_stop_signals()
+    stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
     for step in range(start_step, config.max_steps):
         if every(config.eval_interval, step):
             val_loss = evaluate()
@@ -1046,8 +1047,8 @@ def train(config, rank, world_size, master_process, device):
                     (loss / loss_divisor).backward()
             loss_sum += loss.detach()
         # the step's loss sum carries, in the same all-reduce, whether any rank was asked to stop
-        totals = torch.stack([loss_sum, torch.tensor(float(len(stop_signals)), device=device,
-                                                     dtype=sum_dtype)])
+        # (fill_ takes the host's value without the sync a new device tensor would cost)
+        totals = torch.stack([loss_sum, stop_flag.fill_(len(stop_signals))])
         if dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, stop = totals

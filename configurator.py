@@ -10,12 +10,22 @@ import dataclasses
 import difflib
 import inspect
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 
 class UserError(Exception):
     """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
+
+
+def run(main, script):
+    """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
+    ends it with the one line `{script}: error: {message}` on stderr and exit status 1."""
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        sys.exit(f"{script}: error: {e}")
 
 
 def cast_value(key, raw, typ):

@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import urllib.request
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from prepare_data import gpt2_encoding
+import configurator
 from configurator import UserError
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -224,8 +224,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"hellaswag.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    configurator.run(main, "hellaswag.py")

@@ -20,7 +20,9 @@ divided by the world size where the mode shards them (ZeRO, Rajbhandari et al. 2
 """
 
 import argparse
-import sys
+import dataclasses
+
+import configurator
 
 GB = 2**30
 
@@ -88,7 +90,6 @@ def max_micro_batch(config, world_size, device_type, memory_bytes, usable=0.9):
     """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is
     left to the CUDA context, the allocator's fragmentation and the kernels' workspaces); 0 if
     not even one sequence fits."""
-    import dataclasses
     fixed = plan(dataclasses.replace(config, micro_batch_size=1), world_size, device_type)
     per_sequence = fixed["activations"] + fixed["logits"]
     room = usable * memory_bytes - (fixed["total"] - per_sequence)
@@ -155,13 +156,8 @@ def main(argv):
     args, config_args = parser.parse_known_args(argv)
     if args.measure and (args.world_size != 1 or args.device != "cpu"):
         parser.error("--measure runs one CPU process: pass --world_size 1 --device cpu with it")
-    from configurator import UserError
     from train_gpt2 import load_config
-    try:
-        config = load_config(config_args)
-    except UserError as e:
-        sys.exit(f"memory_plan.py: error: {e}")
-    import dataclasses
+    config = load_config(config_args)
     parts = plan(config, args.world_size, args.device)
     print(f"{config.n_layer} layers, n_embd {config.n_embd}: {n_params(config) / 1e6:.0f}M "
           f"parameters; {args.world_size} ranks of {args.device}, micro_batch_size "
@@ -185,4 +181,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    configurator.run(main, "memory_plan.py")

@@ -220,8 +220,10 @@ def _read_error(where, e):
     if str(where).endswith(".jsonl"):
         with open(where, encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    line.strip() and json.loads(line)
+                    json.loads(line)
                 except ValueError as bad:
                     return _error(f"{where} line {number} is not valid JSON ({bad}); fix or "
                                   f"remove that line")

@@ -1104,10 +1104,7 @@ if __name__ == "__main__":
         print("\n".join(configurator.help_lines(Config)))
         sys.exit(0)
     try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"train_gpt2.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        configurator.run(main, "train_gpt2.py")
     except KeyboardInterrupt:  # Ctrl-C before the training loop, which handles it itself
         print("train_gpt2.py: interrupted before training began; nothing to save", file=sys.stderr)
         sys.exit(130)

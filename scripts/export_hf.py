@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt2_weights import load_model, save_hf  # noqa: E402
-from configurator import UserError  # noqa: E402
+import configurator  # noqa: E402
 
 
 def main(argv):
@@ -35,8 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"export_hf.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    configurator.run(main, "export_hf.py")

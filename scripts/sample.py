@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt2_weights import load_model  # noqa: E402
 from prepare_data import gpt2_encoding  # noqa: E402
+import configurator  # noqa: E402
 from configurator import UserError  # noqa: E402
 
 
@@ -72,8 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    configurator.run(main, "sample.py")

@@ -56,12 +56,13 @@ def hf_dir(source):
     return path
 
 
-def load_hf(source):
+def load_hf(source, weights=True):
     """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir).
 
     Returns (shape, state_dict): shape maps Config's model keys (n_layer, n_head, n_embd,
     block_size, vocab_size, bias) to the checkpoint's values; state_dict is keyed and laid out as
-    GPT.state_dict(), float32. Raises UserError for a checkpoint that is not GPT-2's architecture.
+    GPT.state_dict(), float32, or None without `weights` (config.json alone is read). Raises
+    UserError for a checkpoint that is not GPT-2's architecture.
     """
     from safetensors.torch import load_file
     path = hf_dir(source)
@@ -81,6 +82,8 @@ def load_hf(source):
         raise UserError(f"{path / 'config.json'} lacks {', '.join(missing)}: not a GPT-2 config")
     shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()}
     shape["bias"] = True
+    if not weights:
+        return shape, None
     try:
         tensors = load_file(path / "model.safetensors")
     except Exception as e:
@@ -117,14 +120,15 @@ def check_state(state, config, path):
                         f"{config.n_embd} wide: {'; '.join(p for p in problems if p)}")
 
 
-def pretrained(config):
+def pretrained(config, weights=True):
     """Resolves train_gpt2.py's `init_from` for a run of `config`.
 
-    Returns (config, state_dict): config with the checkpoint's model shape, and its weights.
+    Returns (config, state_dict): config with the checkpoint's model shape, and its weights (None
+    without `weights`: a run that resumes takes them from its own checkpoint).
     The model keys a user leaves at their defaults take the checkpoint's values; one set to
     another value than the checkpoint's is refused with UserError, as is seq_len > block_size.
     """
-    shape, state = load_hf(config.init_from)
+    shape, state = load_hf(config.init_from, weights)
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]

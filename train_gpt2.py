@@ -852,7 +852,9 @@ def train(config, rank, world_size, master_process, device):
     pretrained_state = None
     if config.init_from != "scratch":
         from gpt2_weights import pretrained
-        config, pretrained_state = pretrained(config)
+        # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
+        resuming = config.resume == "auto" and any(Path(config.out_dir).glob("ckpt_*.pt"))
+        config, pretrained_state = pretrained(config, weights=not resuming)
         log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     if config.hellaswag_interval > 0:
         import hellaswag

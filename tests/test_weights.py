@@ -73,6 +73,16 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
         losses.append(F.cross_entropy(hf_logits(reference, x).flatten(0, 1), y.flatten()))
     assert evals[0]["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=TOLERANCE)
 
+    # resuming takes the weights from the run's checkpoint and reads only GPT-2's config.json:
+    # a cut-short model.safetensors beside it does not matter
+    cut = tmp_path / "hf_cut"
+    cut.mkdir()
+    (cut / "config.json").write_bytes((hf_tiny / "config.json").read_bytes())
+    (cut / "model.safetensors").write_bytes((hf_tiny / "model.safetensors").read_bytes()[:100])
+    out = run_training([*FINETUNE_TINY, f"--init_from={cut}", f"--data_dir={data_dir}",
+                        f"--out_dir={out_dir}", "--max_steps=5"]).stdout
+    assert "resumed from" in out and [s["step"] for s in read_log(out_dir)[0]] == list(range(5))
+
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(out_dir), str(hf_dir)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

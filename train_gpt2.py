@@ -451,6 +451,11 @@ def clip_grad_norm(grads, max_norm, sharded):
 # -----------------------------------------------------------------------------
 # Sharded optimizer: AdamW with state and update split over ranks (ZeRO-2)
 
+# torch 2.13 renamed these two collectives (from reduce_scatter_tensor and all_gather_into_tensor)
+# and deprecated the old names, the only ones before it: take whichever this torch has, unwarned
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class ZeRO2AdamW:
     """AdamW whose state and update are sharded over ranks: ZeRO stage 2 (Rajbhandari et al.
@@ -504,7 +509,7 @@ class ZeRO2AdamW:
         """Launches the all-gather of every rank's `shard` of a tensor shaped as `like`; returns
         the work and the full tensor, which holds the result once the work is waited on."""
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        work = dist.all_gather_single(full, shard, async_op=True)
+        work = all_gather_single(full, shard, async_op=True)
         return work, full[:like.numel()].view_as(like)
 
     def reduce_scatter_grad(self, p):
@@ -518,7 +523,7 @@ class ZeRO2AdamW:
         else:
             grad = p.grad / self.world_size  # divide before summing, as DDP does, to round alike
         reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
-        work = dist.reduce_scatter_single(reduced, self.padded(grad), async_op=True)
+        work = reduce_scatter_single(reduced, self.padded(grad), async_op=True)
         self.pending.append((p, reduced, work))
 
     def zero_grad(self):
@@ -763,9 +768,17 @@ def catch_stop_signals():
     return received
 
 
+TORCH_FLOOR = (2, 8)  # requirements.txt's: FSDP2's set_gradient_divide_factor, for exact_reduction
+
+
 def main(argv):
     """Sets up the device and process group from torchrun's variables and runs train(); returns
     the exit code (non-zero when a signal stopped the run)."""
+    # major.minor alone: NGC's and source builds of 2.8 call themselves 2.8.0a0+...
+    if tuple(map(int, torch.__version__.split(".")[:2])) < TORCH_FLOOR:
+        floor = "%d.%d" % TORCH_FLOOR
+        raise UserError(f"torch {torch.__version__} is older than {floor}, the oldest that "
+                        f"train_gpt2.py runs on: pip install 'torch>={floor}'")
     config = load_config(argv)
     launched = "RANK" in os.environ  # by torchrun
     if launched:

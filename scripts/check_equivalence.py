@@ -23,14 +23,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train(world_size, train_args, out_dir):
-    """Runs train_gpt2.py at `world_size` into out_dir; returns (train records, eval records,
-    HellaSwag records, final model state dict). Raises RuntimeError with the run's output if it fails."""
+def train(world_size, train_args, out_dir, python=sys.executable):
+    """Runs train_gpt2.py at `world_size` into out_dir with the `python` interpreter (and its
+    torch); returns (train records, eval records, HellaSwag records, final model state dict).
+    Raises RuntimeError with the run's output if it fails."""
     script = str(ROOT / "train_gpt2.py")
     if world_size == 1:
-        cmd = [sys.executable, script]
+        cmd = [python, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [python, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world_size}", script]
     cmd += [*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

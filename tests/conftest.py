@@ -16,6 +16,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from check_equivalence import compare  # noqa: E402
 from prepare_data import write_shard  # noqa: E402
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compat: also run on the oldest torch that requirements.txt "
+                                       "allows, by .ci/compat (`pytest -m compat`)")
+
+
 # A GPT small enough that a few steps take seconds on one CPU core.
 TINY = [
     "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512",

@@ -27,6 +27,7 @@ def assert_bitwise_same_run(result, reference):
     assert result["max_param_diff"] == 0.0
 
 
+@pytest.mark.compat
 def test_world_sizes_1_2_4_train_bitwise_the_same_model_with_dropout(equiv_runs):
     assert len(equiv_runs[1]["loss"]) == STEPS and len(equiv_runs[1]["val_loss"]) == EVALS
     assert [n for _, _, n in equiv_runs[1]["hellaswag"]] == [7] * HELLASWAG_EVALS
@@ -129,6 +130,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.compat
 def test_two_nodes_with_c10d_rendezvous_match_one_process(equiv_data_dir, equiv_runs, tmp_path):
     """Two torchrun agents on one machine, as two nodes of one process each: RANK 1 has
     LOCAL_RANK 0."""

@@ -64,6 +64,7 @@ def torchrun(args, nproc, extra=()):
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.compat
 def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, uninterrupted, tmp_path):
     """Plain torchrun --max-restarts=1 restarts both workers after one is SIGKILLed (the workers
     keep each attempt's keys apart in torchrun's store); they resume from the last checkpoint and
@@ -129,6 +130,7 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
         signal.signal(signal.SIGINT, previous[1])
 
 
+@pytest.mark.compat
 def test_resume_on_another_world_size_continues_bitwise_the_same_run(data_dir, uninterrupted, tmp_path):
     """Killed at world size 2 (no restart), resumed at world size 1, killed again, resumed at 4:
     with exact_reduction, bitwise the losses of the uninterrupted run."""

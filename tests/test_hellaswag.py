@@ -56,6 +56,7 @@ def independent_scores(model, example):
     return sums, means
 
 
+@pytest.mark.compat
 def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
     reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
     model, config = load_model(hf_tiny)

@@ -22,6 +22,7 @@ def draw(model, seed, out=None, **kwargs):
                   **options)
 
 
+@pytest.mark.compat
 def test_the_same_seed_gives_the_same_text(hf_tiny):
     model, _ = load_model(hf_tiny)
     assert draw(model, 1) == draw(model, 1)

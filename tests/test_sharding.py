@@ -41,6 +41,7 @@ def sharded_runs(equiv_data_dir, tmp_path_factory):
     return runs
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode", ["zero2", "fsdp"])
 def test_sharded_modes_train_bitwise_the_same_model_as_one_ddp_process(mode, sharded_runs):
     sharded, ddp, _ = sharded_runs[mode]
@@ -62,6 +63,7 @@ def test_optimizer_state_per_rank_shrinks_with_the_world_size(equiv_runs, equiv_
             assert full / n <= sharded < full / n * 1.05 + 1024, (mode, n)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode", ["zero2", "fsdp"])
 def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, sharded_runs, equiv_data_dir,
                                                               tmp_path):
@@ -96,6 +98,7 @@ def assert_same_tensors(state, reference):
     assert all(torch.equal(state[k], reference[k]) for k in state)
 
 
+@pytest.mark.compat
 def test_zero2_trace_shows_reduce_scatters_launched_during_the_backward(equiv_data_dir, tmp_path):
     run_training([*EQUIV, f"--data_dir={equiv_data_dir}", "--sharding=zero2", "--profile=true",
                   "--max_steps=7", f"--out_dir={tmp_path}"], nproc=2)

@@ -52,6 +52,28 @@ def test_config_errors_say_what_to_fix(argv, message):
         load_config(argv)
 
 
+class ReachedConfig(Exception):
+    """Raised in place of reading the config: main() got past its torch version check."""
+
+
+def reach_config(argv):
+    raise ReachedConfig
+
+
+@pytest.mark.parametrize("version, refused", [
+    ("2.7.1+cu126", True), ("2.8.0a0+5228986c39.nv25.06", False), ("2.8.0+cu128", False),
+    ("2.10.0", False),
+])
+def test_a_torch_older_than_requirements_floor_is_refused_in_one_line(monkeypatch, version, refused):
+    floor = re.search(r"^torch>=([0-9.]+)$", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    assert "%d.%d" % train_gpt2.TORCH_FLOOR == floor
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(train_gpt2, "load_config", reach_config)
+    message = f"torch {re.escape(version)} is older than 2.8, the oldest .*: pip install 'torch>=2.8'"
+    with pytest.raises(UserError, match=message) if refused else pytest.raises(ReachedConfig):
+        train_gpt2.main([])
+
+
 @pytest.mark.parametrize("toml, message", [
     ("n_layer = 3\nmax_lr = \n", "config file .*c.toml is not valid TOML: .*at line 2"),
     ("n_layer = [1, 2]\n", "config key 'n_layer': cannot read \\[1, 2\\] as int"),
@@ -230,6 +252,7 @@ def test_missing_shards_name_the_command_that_makes_them(tmp_path):
 
 # --- training runs ------------------------------------------------------------------------------
 
+@pytest.mark.compat
 def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     """2 gloo ranks x 2 micro-steps train the same model as 1 process x 4 micro-steps.
 

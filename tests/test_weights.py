@@ -28,6 +28,7 @@ def hf_logits(model, idx):
         return model(idx).logits
 
 
+@pytest.mark.compat
 def test_init_from_a_transformers_checkpoint_gives_its_logits(hf_tiny):
     reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
     model, config = load_model(hf_tiny)
@@ -54,6 +55,7 @@ def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
         load_model(tmp_path / "nowhere")
 
 
+@pytest.mark.compat
 def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path):
     """The tiny finetune starts from hf_tiny: its step-0 val loss is transformers' loss on the
     same val batches. Its checkpoint, exported, loads in transformers with our logits, and the

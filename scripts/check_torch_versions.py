@@ -1,0 +1,75 @@
+"""
+Checks that another torch trains the same model as this one: runs one config at world size 2 in
+each sharding mode, default and exact_reduction, under this interpreter and under each other
+Python given (a venv holding another torch), and prints how far each run's per-step losses, val
+losses and final weights are from this interpreter's.
+
+    python -m venv venv-2.8 && venv-2.8/bin/pip install torch==2.8.0 -r requirements.txt
+    python prepare_data.py
+    python scripts/check_torch_versions.py --python venv-2.8/bin/python configs/shakespeare_cpu.toml --max_steps=20
+
+Arguments other than --python, --world-size, --tolerance and --out-dir go to train_gpt2.py. Exits
+1 when a loss differs by more than --tolerance (default 1e-4): a torch that trains another model.
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from check_equivalence import train
+
+VARIANTS = {  # name: train_gpt2.py arguments
+    f"{mode}{' exact' if exact else ''}": [f"--sharding={mode}", f"--exact_reduction={str(exact).lower()}"]
+    for exact in (False, True) for mode in ("ddp", "zero2", "fsdp")
+}
+
+
+def torch_version(python):
+    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def compare_versions(pythons, train_args, world_size, out_root):
+    """Trains every variant under each interpreter; returns (versions, {variant: [(max |loss
+    diff|, max |val loss diff|, max |weight diff|) to pythons[0]'s run, for each other python]})."""
+    versions = [torch_version(p) for p in pythons]
+    results = {}
+    for variant, args in VARIANTS.items():
+        runs = [train(world_size, [*train_args, *args], Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"),
+                      python=p) for p, v in zip(pythons, versions)]
+        (ref_steps, ref_evals, _, ref_model) = runs[0]
+        results[variant] = [
+            (max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref_steps)),
+             max((abs(a["val_loss"] - b["val_loss"]) for a, b in zip(evals, ref_evals)), default=0.0),
+             max((model[k].float() - ref_model[k].float()).abs().max().item() for k in ref_model))
+            for steps, evals, _, model in runs[1:]]
+        print(f"{variant:12s} " + " | ".join(
+            f"torch {v}: loss {d[0]:.2e}, val loss {d[1]:.2e}, weights {d[2]:.2e}"
+            + (" (bitwise)" if d == (0.0, 0.0, 0.0) else "")
+            for v, d in zip(versions[1:], results[variant])), flush=True)
+    return versions, results
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s --python PYTHON [--python ...] [CONFIG.toml] [--key=value ...]")
+    parser.add_argument("--python", action="append", required=True,
+                        help="another interpreter (a venv's bin/python) whose torch to check")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--out-dir", default="out/check_torch_versions")
+    args, train_args = parser.parse_known_args()
+    print(f"max |diff| to torch {torch_version(sys.executable)} ({sys.executable}), world size "
+          f"{args.world_size}:", flush=True)
+    versions, results = compare_versions([sys.executable, *args.python], train_args,
+                                         args.world_size, args.out_dir)
+    worst = max(d[0] for diffs in results.values() for d in diffs)
+    verdict = "within" if worst <= args.tolerance else "OVER"
+    print(f"largest loss difference {worst:.2e}: {verdict} the tolerance {args.tolerance:.0e}")
+    sys.exit(0 if worst <= args.tolerance else 1)
+
+
+if __name__ == "__main__":
+    main()

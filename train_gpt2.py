@@ -704,6 +704,10 @@ class FSDPMode(DDPMode):
             fully_shard(module, mp_policy=mp_policy)
             if self.config.exact_reduction:
                 module.set_gradient_divide_factor(1.0)  # the loss is divided by all micro-batches
+            elif device.type == "cpu":
+                # gloo's reduce-scatter returned the sum for ReduceOp.AVG on torch 2.8 (measured,
+                # twice the gradient at world size 2); FSDP's sum-then-divide is the mean on all
+                module.set_force_sum_reduction_for_comms(True)
         return torch.compile(model) if self.config.compile else model
 
     def set_grad_sync(self, sync):

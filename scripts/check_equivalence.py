@@ -45,8 +45,9 @@ def train(world_size, train_args, out_dir, python=sys.executable):
 
 
 def compare(train_args, world_sizes, out_root):
-    """Trains at each world size; returns {world_size: {"loss", "val_loss", "hellaswag",
-    "max_param_diff"}}: the losses as lists per step, the HellaSwag results as (acc_norm, acc,
+    """Trains at each world size; returns {world_size: {"loss", "grad_norm", "val_loss",
+    "hellaswag", "max_param_diff"}}: the losses and gradient norms (before clipping) as lists per
+    step, the HellaSwag results as (acc_norm, acc,
     examples) per evaluation (none unless hellaswag_interval is set), and the largest absolute
     weight difference to world size 1."""
     runs = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
@@ -55,6 +56,7 @@ def compare(train_args, world_sizes, out_root):
     for n, (steps, evals, hellaswag, model) in runs.items():
         results[n] = {
             "loss": [r["loss"] for r in steps],
+            "grad_norm": [r["grad_norm"] for r in steps],
             "val_loss": [r["val_loss"] for r in evals],
             "hellaswag": [(r["hellaswag_acc_norm"], r["hellaswag_acc"], r["hellaswag_examples"])
                           for r in hellaswag],

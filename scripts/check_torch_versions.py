@@ -1,15 +1,16 @@
 """
 Checks that another torch trains the same model as this one: runs one config at world size 2 in
 each sharding mode, default and exact_reduction, under this interpreter and under each other
-Python given (a venv holding another torch), and prints how far each run's per-step losses, val
-losses and final weights are from this interpreter's.
+Python given (a venv holding another torch), and prints how far each run's per-step losses,
+gradient norms, val losses and final weights are from this interpreter's.
 
     python -m venv venv-2.8 && venv-2.8/bin/pip install torch==2.8.0 -r requirements.txt
     python prepare_data.py
     python scripts/check_torch_versions.py --python venv-2.8/bin/python configs/shakespeare_cpu.toml --max_steps=20
 
 Arguments other than --python, --world-size, --tolerance and --out-dir go to train_gpt2.py. Exits
-1 when a loss differs by more than --tolerance (default 1e-4): a torch that trains another model.
+1 when a loss or gradient norm differs by more than --tolerance (default 1e-4): a torch that trains
+another model.
 """
 
 import argparse
@@ -32,7 +33,8 @@ def torch_version(python):
 
 def compare_versions(pythons, train_args, world_size, out_root):
     """Trains every variant under each interpreter; returns (versions, {variant: [(max |loss
-    diff|, max |val loss diff|, max |weight diff|) to pythons[0]'s run, for each other python]})."""
+    diff|, max |grad norm diff|, max |val loss diff|, max |weight diff|) to pythons[0]'s run, for
+    each other python]})."""
     versions = [torch_version(p) for p in pythons]
     results = {}
     for variant, args in VARIANTS.items():
@@ -41,12 +43,13 @@ def compare_versions(pythons, train_args, world_size, out_root):
         (ref_steps, ref_evals, _, ref_model) = runs[0]
         results[variant] = [
             (max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref_steps)),
+             max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(steps, ref_steps)),
              max((abs(a["val_loss"] - b["val_loss"]) for a, b in zip(evals, ref_evals)), default=0.0),
              max((model[k].float() - ref_model[k].float()).abs().max().item() for k in ref_model))
             for steps, evals, _, model in runs[1:]]
         print(f"{variant:12s} " + " | ".join(
-            f"torch {v}: loss {d[0]:.2e}, val loss {d[1]:.2e}, weights {d[2]:.2e}"
-            + (" (bitwise)" if d == (0.0, 0.0, 0.0) else "")
+            f"torch {v}: loss {d[0]:.2e}, grad norm {d[1]:.2e}, val loss {d[2]:.2e}, weights "
+            f"{d[3]:.2e}" + (" (bitwise)" if not any(d) else "")
             for v, d in zip(versions[1:], results[variant])), flush=True)
     return versions, results
 
@@ -65,9 +68,10 @@ def main():
           f"{args.world_size}:", flush=True)
     versions, results = compare_versions([sys.executable, *args.python], train_args,
                                          args.world_size, args.out_dir)
-    worst = max(d[0] for diffs in results.values() for d in diffs)
+    worst = max(max(d[:2]) for diffs in results.values() for d in diffs)
     verdict = "within" if worst <= args.tolerance else "OVER"
-    print(f"largest loss difference {worst:.2e}: {verdict} the tolerance {args.tolerance:.0e}")
+    print(f"largest loss or grad norm difference {worst:.2e}: {verdict} the tolerance "
+          f"{args.tolerance:.0e}")
     sys.exit(0 if worst <= args.tolerance else 1)
 
 

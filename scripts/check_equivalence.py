@@ -47,9 +47,8 @@ def train(world_size, train_args, out_dir, python=sys.executable):
 def compare(train_args, world_sizes, out_root):
     """Trains at each world size; returns {world_size: {"loss", "grad_norm", "val_loss",
     "hellaswag", "max_param_diff"}}: the losses and gradient norms (before clipping) as lists per
-    step, the HellaSwag results as (acc_norm, acc,
-    examples) per evaluation (none unless hellaswag_interval is set), and the largest absolute
-    weight difference to world size 1."""
+    step, the HellaSwag results as (acc_norm, acc, examples) per evaluation (none unless
+    hellaswag_interval is set), and the largest absolute weight difference to world size 1."""
     runs = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
     ref_model = runs[world_sizes[0]][-1]
     results = {}

@@ -6,7 +6,8 @@ gradient norms, val losses and final weights are from this interpreter's.
 
     python -m venv venv-2.8 && venv-2.8/bin/pip install torch==2.8.0 -r requirements.txt
     python prepare_data.py
-    python scripts/check_torch_versions.py --python venv-2.8/bin/python configs/shakespeare_cpu.toml --max_steps=20
+    python scripts/check_torch_versions.py --python venv-2.8/bin/python \
+        configs/shakespeare_cpu.toml --max_steps=20
 
 Arguments other than --python, --world-size, --tolerance and --out-dir go to train_gpt2.py. Exits
 1 when a loss or gradient norm differs by more than --tolerance (default 1e-4): a torch that trains
@@ -21,7 +22,7 @@ from pathlib import Path
 from check_equivalence import train
 
 VARIANTS = {  # name: train_gpt2.py arguments
-    f"{mode}{' exact' if exact else ''}": [f"--sharding={mode}", f"--exact_reduction={str(exact).lower()}"]
+    mode + (" exact" if exact else ""): [f"--sharding={mode}", f"--exact_reduction={exact}".lower()]
     for exact in (False, True) for mode in ("ddp", "zero2", "fsdp")
 }
 
@@ -38,13 +39,15 @@ def compare_versions(pythons, train_args, world_size, out_root):
     versions = [torch_version(p) for p in pythons]
     results = {}
     for variant, args in VARIANTS.items():
-        runs = [train(world_size, [*train_args, *args], Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"),
-                      python=p) for p, v in zip(pythons, versions)]
+        runs = [train(world_size, [*train_args, *args],
+                      Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"), python=p)
+                for p, v in zip(pythons, versions)]
         (ref_steps, ref_evals, _, ref_model) = runs[0]
         results[variant] = [
             (max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref_steps)),
              max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(steps, ref_steps)),
-             max((abs(a["val_loss"] - b["val_loss"]) for a, b in zip(evals, ref_evals)), default=0.0),
+             max((abs(a["val_loss"] - b["val_loss"]) for a, b in zip(evals, ref_evals)),
+                 default=0.0),
              max((model[k].float() - ref_model[k].float()).abs().max().item() for k in ref_model))
             for steps, evals, _, model in runs[1:]]
         print(f"{variant:12s} " + " | ".join(

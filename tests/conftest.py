@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from check_equivalence import compare  # noqa: E402
 from prepare_data import write_shard  # noqa: E402
 
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "compat: also run on the oldest torch that requirements.txt "
                                        "allows, by .ci/compat (`pytest -m compat`)")

@@ -274,12 +274,13 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, generator, temperature=1.0, top_k=50):
         """Samples max_new_tokens after idx (B, T), yielding each new token (B, 1) as it is drawn:
-        softmax(logits / temperature) cut to the top_k most likely tokens (all when top_k is 0),
-        as nanoGPT's sample.py. The context is the last block_size tokens."""
+        softmax(logits / temperature) cut to the top_k most likely tokens (all when top_k is 0 or
+        above vocab_size), as nanoGPT's sample.py. The context is the last block_size tokens."""
+        top_k = min(top_k or self.config.vocab_size, self.config.vocab_size)
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
             probs = F.softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, vocab_size)
-            topk_probs, topk_idx = torch.topk(probs, top_k or probs.size(-1), dim=-1)  # (B, top_k)
+            topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)  # (B, top_k)
             choice = torch.multinomial(topk_probs, 1, generator=generator)  # (B, 1)
             token = torch.gather(topk_idx, -1, choice)
             idx = torch.cat((idx, token), dim=1)

@@ -23,6 +23,15 @@ across the splits, val first (the build-nanogpt convention). The file format is 
 (also read by modded-nanogpt): a header of 256 little-endian int32, [0] = 20240520
 (magic), [1] = 1 (version), [2] = number of tokens, the rest 0; then the tokens as
 little-endian uint16.
+
+{name}_manifest.json, beside the shards, records what they were made from and what they hold:
+"inputs" (per local file [absolute path, size in bytes, mtime in ns], or for --dataset [name,
+config, split]), "options" (the command-line options that change the shards), "shards" (one
+{"file": name without directory, "bytes": file size, "tokens": token count, "max_token_id":
+largest token id} per shard, in file-name order) and "max_token_id" (the largest over all
+shards). A rerun whose inputs and options equal the recorded ones has nothing to do. The
+training loader may trust a shard's max_token_id when a file of that name and byte size lies
+next to the manifest, so the manifest is removed before any shard of a new run is moved in.
 """
 
 import argparse
@@ -195,8 +204,8 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 def _texts(sources, field):
     """Yield the text of every non-empty document of the (name, streaming dataset) sources.
-    Raises SystemExit with one line, naming the file and row, for a row that cannot be read or
-    whose field is not text."""
+    Raises SystemExit with one line, naming the file and row (line, for JSON Lines), for a row
+    that cannot be read or whose field is missing, null or not text."""
     for where, dataset in sources:
         rows = iter(dataset)
         for number in itertools.count(1):
@@ -206,12 +215,36 @@ def _texts(sources, field):
                 break
             except Exception as e:  # pyarrow's and datasets' parse and cast errors
                 raise _read_error(where, e) from None
-            text = row[field]
-            if text and not isinstance(text, str):
-                raise _error(f"{where} row {number}: field {field!r} holds {type(text).__name__} "
-                             f"{str(text)[:40]!r}, not text; choose the text with --text-field")
+            text = row.get(field)
+            if not isinstance(text, str):  # one isinstance per row, as before: nothing next to tokenizing
+                raise _bad_field(where, number, row, field)
             if text:  # an empty document would add nothing but an <|endoftext|>
                 yield text
+
+
+def _bad_field(where, number, row, field):
+    """The one-line error for row `number` (1-based) of source `where`, whose `field` is missing,
+    null or not a string. A missing field and a null one are one case: pyarrow fills a field that
+    a JSON row lacks with null, and dropping such rows would lose documents without a word."""
+    text = row.get(field)
+    if text is None:
+        fields = ", ".join(k for k, v in row.items() if v is not None) or "(none)"
+        return _error(f"{_row_name(where, number)} has no field {field!r} (missing or null); its "
+                      f"fields are {fields}; choose the text with --text-field")
+    return _error(f"{_row_name(where, number)}: field {field!r} holds {type(text).__name__} "
+                  f"{str(text)[:40]!r}, not text; choose the text with --text-field")
+
+
+def _row_name(where, number):
+    """'{where} row {number}', or for a JSON Lines file '{where} line {line}', the line that holds
+    row `number`: pyarrow skips blank lines, so the file is read again to find it. (A .jsonl file
+    that holds one JSON array, which `datasets` reads too, has rows but no such line.)"""
+    line = None
+    if str(where).endswith(".jsonl"):
+        with open(where, encoding="utf-8", errors="replace") as f:
+            lines = (n for n, text in enumerate(f, 1) if text.strip())
+            line = next(itertools.islice(lines, number - 1, None), None)
+    return f"{where} row {number}" if line is None else f"{where} line {line}"
 
 
 def _read_error(where, e):
@@ -240,6 +273,7 @@ class _ShardWriter:
         self.index = 0
         self.split = None
         self.stats = {}  # split -> (shards, tokens)
+        self.shards = []  # the manifest's entry of each shard written, in writing order
 
     def add(self, split, tokens):
         if split != self.split:
@@ -258,6 +292,8 @@ class _ShardWriter:
             return
         path = self.out_dir / f"{self.name}_{self.split}_{self.index:06d}.bin"
         write_shard(path, self.buf[: self.fill])
+        self.shards.append({"file": path.name, "bytes": path.stat().st_size, "tokens": self.fill,
+                            "max_token_id": int(self.buf[: self.fill].max())})
         shards, tokens = self.stats.get(self.split, (0, 0))
         self.stats[self.split] = (shards + 1, tokens + self.fill)
         self.index += 1
@@ -372,18 +408,14 @@ def main(argv=None):
             files = _drop_bad_utf8(files, args.skip_bad_files)
         what = " ".join(patterns)
     out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
-    # what the shards are made from: a rerun with the same manifest has nothing to do
-    manifest = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
-                [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-                "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
-                                                          "val_tokens", "val_fraction", "skip_bad_files")}}
+    # what the shards are made from: a rerun with the same inputs and options has nothing to do
+    source = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
+              [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+              "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
+                                                        "val_tokens", "val_fraction", "skip_bad_files")}}
     manifest_path = out_dir / f"{name}_manifest.json"
     if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not args.overwrite:
-        try:
-            done = json.loads(manifest_path.read_text()) == manifest
-        except (OSError, ValueError):  # no manifest, or one cut short
-            done = False
-        if done:
+        if _recorded_source(manifest_path) == source:
             print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
             return
         raise _error(f"{out_dir} already has .bin files, made from other input or options; pass "
@@ -414,9 +446,8 @@ def main(argv=None):
             first_row = next(iter(dataset), None)
         except Exception as e:
             raise _read_error(where, e) from None
-        if first_row is not None and args.text_field not in first_row:
-            raise _error(f"no field {args.text_field!r} in {where}; its fields are "
-                         f"{', '.join(first_row)} (choose one with --text-field)")
+        if first_row is not None and not isinstance(first_row.get(args.text_field), str):
+            raise _bad_field(where, 1, first_row, args.text_field)
 
     # Shards are written to a staging dir and moved into out_dir only once all are complete, so a
     # killed run leaves no shard the loader would take for a complete dataset, and a rerun works.
@@ -437,19 +468,54 @@ def main(argv=None):
             shutil.rmtree(out_dir)
         raise
 
-    if args.overwrite:
-        for path in out_dir.glob(glob.escape(name) + "_*.bin"):
-            path.unlink()
+    old_shards = _old_shards(out_dir, name, manifest_path) if args.overwrite else []
+    # the loader trusts the manifest's max_token_id of a shard by name and byte size, which a
+    # shard of this run may share: no manifest at all until the one that describes this run
+    manifest_path.unlink(missing_ok=True)
+    for path in old_shards:
+        path.unlink(missing_ok=True)
     for path in sorted(staging.glob("*.bin")):
         os.replace(path, out_dir / path.name)
     staging.rmdir()
-    tmp = manifest_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, manifest_path)
+    _write_manifest(manifest_path, source, writer.shards)
     print(f"wrote {writer.index} shard(s) to {out_dir}")
     for split in ("val", "train"):
         shards, tokens = writer.stats.get(split, (0, 0))
         print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+
+
+def _recorded_source(manifest_path):
+    """The "inputs" and "options" of the manifest at `manifest_path`, or None where there is no
+    readable manifest (none, one cut short, or not this script's)."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        return {"inputs": manifest["inputs"], "options": manifest["options"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _old_shards(out_dir, name, manifest_path):
+    """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
+    lists, and any file named as this script names shards ({name}_{val|train}_{index}.bin), for
+    a manifest written before the list existed, or lost by a run killed while moving shards in.
+    A listed name with a directory part or without .bin is ignored: nothing else is removed."""
+    try:
+        listed = {entry["file"] for entry in json.loads(manifest_path.read_text())["shards"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    shard_name = re.compile(re.escape(name) + r"_(val|train)_\d{6,}\.bin")
+    return sorted(out_dir / f for f in os.listdir(out_dir)
+                  if shard_name.fullmatch(f) or (f in listed and f.endswith(".bin")))
+
+
+def _write_manifest(path, source, shards):
+    """Write the manifest atomically: `source` ({"inputs", "options"}) plus the "shards" entries
+    in file-name order and their overall "max_token_id" (see the module docstring)."""
+    shards = sorted(shards, key=lambda shard: shard["file"])
+    manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _write_shards(args, sources, what, name, staging):

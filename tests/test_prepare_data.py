@@ -1,6 +1,9 @@
 """Tests of prepare_data.py: the offline GPT-2 tokenizer, the .bin shard format and the pipeline."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -43,6 +46,20 @@ def split_stream(out_dir, split):
 
 def run(*args):
     main([str(a) for a in args])
+
+
+def check_manifest(out_dir, name):
+    """Checks that {name}_manifest.json lists every shard of `name` in out_dir, in file-name order,
+    with the size, token count and largest token id of the file read back; returns the manifest."""
+    manifest = json.loads((out_dir / f"{name}_manifest.json").read_text())
+    shards = []
+    for path in sorted([*out_dir.glob(f"{name}_val_*.bin"), *out_dir.glob(f"{name}_train_*.bin")]):
+        tokens = read_shard(path)
+        shards.append({"file": path.name, "bytes": path.stat().st_size, "tokens": len(tokens),
+                       "max_token_id": int(tokens.max())})
+    assert manifest["shards"] == shards
+    assert manifest["max_token_id"] == max(shard["max_token_id"] for shard in shards)
+    return manifest
 
 
 def doc_tokens(*texts):
@@ -130,6 +147,15 @@ def test_default_run_on_embedded_corpus(default_run):
     assert len(val) == int(0.1 * len(expected))
     assert val[0] == EOT_TOKEN
     assert np.concatenate([val, train]).tolist() == expected
+
+
+def test_manifest_lists_every_shard(default_run):
+    manifest = check_manifest(default_run, "tinyshakespeare")
+    assert [shard["file"] for shard in manifest["shards"]] == names(default_run)
+    # the val shard starts with <|endoftext|>, the train shard has none: their maxima differ
+    assert [shard["max_token_id"] for shard in manifest["shards"]] != [EOT_TOKEN, EOT_TOKEN]
+    assert manifest["max_token_id"] == EOT_TOKEN
+    assert set(manifest) == {"inputs", "options", "shards", "max_token_id"}
 
 
 def test_same_input_gives_identical_bytes(default_run, tmp_path):
@@ -221,6 +247,7 @@ def test_small_shards_and_multiple_workers_are_deterministic(tmp_path):
     assert split_stream(dirs[0], "train").tolist() == expected[1500:]
     for name in names(dirs[0]):
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes()
+    assert len(check_manifest(dirs[0], "p")["shards"]) == len(in_order)
 
 
 def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
@@ -276,6 +303,68 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     assert not (out_dir / ".partial").exists()
 
 
+def test_overwrite_removes_the_earlier_shards_and_nothing_else(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "out"
+    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2,
+              "--overwrite"]
+    run(*common, "--shard-size", 2)
+    earlier = [shard["file"] for shard in check_manifest(out_dir, "a")["shards"]]
+    assert len(earlier) > 3
+    # other datasets' shards (one whose name starts with "a_" too) and other files stay
+    foreign = ["a_b_train_000001.bin", "a_notes.bin", "notes.txt", "other_train_000001.bin"]
+    for f in foreign:
+        (out_dir / f).write_bytes(b"not a shard of a")
+    run(*common, "--shard-size", 1000)
+    assert names(out_dir) == sorted(["a_train_000001.bin", "a_val_000000.bin", *foreign])
+    check_manifest(out_dir, "a")
+
+    # a shard the manifest lists is removed even if its name is not the usual one; a listed
+    # name outside out_dir is not
+    manifest_path = out_dir / "a_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shards"] += [{"file": "a_renamed.bin"}, {"file": "../outside.bin"}]
+    manifest_path.write_text(json.dumps(manifest))
+    (out_dir / "a_renamed.bin").write_bytes(b"listed")
+    (tmp_path / "outside.bin").write_bytes(b"listed, outside out_dir")
+    run(*common, "--shard-size", 2)
+    assert names(out_dir) == sorted(earlier + foreign)
+    assert (tmp_path / "outside.bin").exists()
+
+    # a manifest of an older version lists no shards: those named as its shards are removed
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["shards"], manifest["max_token_id"]
+    manifest_path.write_text(json.dumps(manifest))
+    run(*common, "--shard-size", 1000)
+    assert names(out_dir) == sorted(["a_train_000001.bin", "a_val_000000.bin", *foreign])
+    check_manifest(out_dir, "a")
+
+
+def test_no_manifest_lies_beside_shards_being_moved_in(tmp_path, monkeypatch):
+    """The loader trusts a listed shard's max_token_id by name and size: a run killed while it
+    moves its shards in must not leave the old manifest beside them."""
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "out"
+    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2,
+              "--shard-size", 2, "--overwrite"]
+    run(*common)
+    real_replace = os.replace
+
+    def killed_after_one_shard(src, dst):
+        if os.path.dirname(dst) == str(out_dir) and any(out_dir.glob("a_*.bin")):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare_data.os, "replace", killed_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        run(*common)
+    monkeypatch.undo()
+    assert len(list(out_dir.glob("a_*.bin"))) == 1
+    assert not (out_dir / "a_manifest.json").exists()
+    run(*common)
+    check_manifest(out_dir, "a")
+
+
 def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
     out_dir = tmp_path / "out"
@@ -298,13 +387,38 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
 @pytest.mark.parametrize("content, message", [
     ('{"text": "fine"}\n{"text": "cut\n{"text": "ok"}\n',
      "bad.jsonl line 2 is not valid JSON \\(.*\\); fix or remove that line"),
-    ('{"text": 5}\n{"text": 6}\n', "bad.jsonl row 1: field 'text' holds int '5', not text"),
+    ('{"text": 5}\n{"text": 6}\n', "bad.jsonl line 1: field 'text' holds int '5', not text"),
+    # pyarrow skips blank lines, so row 2 is on line 3
+    ('{"text": "a", "id": 1}\n\n{"body": "b", "id": 2}\n{"text": "c"}\n',
+     "bad.jsonl line 3 has no field 'text' \\(missing or null\\); its fields are id, body; "
+     "choose the text with --text-field$"),
+    ('{"text": "a"}\n{"text": null, "id": 2}\n', "bad.jsonl line 2 has no field 'text' \\(missing or null\\)"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(SystemExit, match=message):
         run("--input", tmp_path / "bad.jsonl", "--output-dir", tmp_path / "out", "--workers", 1)
     assert not (tmp_path / "out").exists()  # a failed run leaves no empty output directory
+
+
+def test_parquet_row_without_text_is_named_by_row(tmp_path):
+    write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
+    with pytest.raises(SystemExit, match="rows.parquet row 2 has no field 'text' .* its fields are id;"):
+        run("--input", tmp_path / "rows.parquet", "--output-dir", tmp_path / "out", "--workers", 1)
+
+
+def test_row_without_text_ends_the_command_in_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    proc = subprocess.run([sys.executable, prepare_data.__file__, "--input", tmp_path / "bad.jsonl",
+                           "--output-dir", tmp_path / "out", "--workers", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    # what comes before the error is the progress bar, drawn on one line
+    assert proc.stderr.splitlines()[-1] == (
+        f"prepare_data.py: error: {tmp_path / 'bad.jsonl'} line 2 has no field 'text' (missing or "
+        f"null); its fields are body; choose the text with --text-field")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unwritable_output_dir_fails_before_tokenizing(tmp_path, monkeypatch):

@@ -230,12 +230,14 @@ def save_hf(model_state, config, out_dir):
     the padding), so logits are ours exactly. A model trained with bias=false gets zero biases.
 
     Written to a temporary directory, then renamed: out_dir is whole or absent. Raises UserError
-    if out_dir exists and is not empty.
+    if out_dir exists and is not an empty directory, or cannot be written (a read-only parent,
+    say), naming the path.
     """
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir} exists and is not empty: remove it or pick another directory")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"{out_dir} exists and is not an empty directory: remove it or pick "
+                        f"another directory")
     check_state(model_state, config, "the checkpoint")
     tensors = {}
     with torch.device("meta"):
@@ -261,13 +263,20 @@ def save_hf(model_state, config, out_dir):
                         "unk_token": "<|endoftext|>", "add_prefix_space": False}
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-    (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (tmp / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
-                                               encoding="utf-8")
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(tmp, out_dir)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        (tmp / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n",
+                                        encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
+                                                   encoding="utf-8")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except OSError as e:
+        raise UserError(f"cannot write {out_dir}: {e.strerror}; pick a directory you can "
+                        f"write") from e
+    finally:  # after the rename tmp is gone; after any failure, what was written goes with it
+        shutil.rmtree(tmp, ignore_errors=True)

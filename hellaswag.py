@@ -69,20 +69,20 @@ def load_examples(path, limit=0):
     hub's copy has it). Returns the first `limit` of them (all when 0) as dicts of those three.
 
     Raises UserError, naming the file and line, for a missing file, a line that is not complete
-    JSON (a truncated download, say) or an example that breaks the schema.
+    JSON in UTF-8 (a truncated or corrupted download, say) or an example that breaks the schema.
     """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"HellaSwag file {path} not found (hellaswag.py downloads it from {URL})")
     examples = []
     fix = f"delete {path} to download it again, or repair it"
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: json.loads decodes each line, so bad UTF-8 names its line
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 raw = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 raise UserError(f"{path} line {number} is not complete JSON (a truncated or "
                                 f"corrupted file?): {fix}") from None
             try:
@@ -210,6 +210,8 @@ def main(argv):
     parser.add_argument("--examples", type=int, default=0, help="score the first N (0: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    if args.examples < 0:
+        parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")
     from gpt2_weights import load_model
     if not Path(args.path).exists():
         download(args.path)

@@ -21,6 +21,7 @@ divided by the world size where the mode shards them (ZeRO, Rajbhandari et al. 2
 
 import argparse
 import dataclasses
+import math
 
 import configurator
 
@@ -154,6 +155,10 @@ def main(argv):
     parser.add_argument("--measure", action="store_true",
                         help="also run one step of the config on the CPU and compare")
     args, config_args = parser.parse_known_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world_size must be >= 1, got {args.world_size}")
+    if not 0 < args.gpu_memory < math.inf:
+        parser.error(f"--gpu_memory must be a finite number of GB > 0, got {args.gpu_memory:g}")
     if args.measure and (args.world_size != 1 or args.device != "cpu"):
         parser.error("--measure runs one CPU process: pass --world_size 1 --device cpu with it")
     from train_gpt2 import load_config

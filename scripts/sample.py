@@ -19,16 +19,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpt2_weights import load_model  # noqa: E402
-from prepare_data import gpt2_encoding  # noqa: E402
+from prepare_data import EOT_TOKEN, gpt2_encoding  # noqa: E402
 import configurator  # noqa: E402
 from configurator import UserError  # noqa: E402
 
 
-def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=sys.stdout):
-    """Writes the prompt, then each sampled token's text to `out` as it is drawn; returns the
-    sampled token ids. A character split across tokens is written once its bytes are complete."""
+def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):
+    """Writes the prompt, then each sampled token's text to `out` (sys.stdout as it is at the
+    call, by default) as it is drawn; returns the sampled token ids. A character split across
+    tokens is written once its bytes are complete. An empty prompt starts from <|endoftext|>, as
+    GPT-2's unconditional samples do."""
+    out = out or sys.stdout
     device = next(model.parameters()).device
-    idx = torch.tensor([enc.encode(prompt, allowed_special={"<|endoftext|>"})], device=device)
+    prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_TOKEN]
+    idx = torch.tensor([prompt_tokens], device=device)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out.write(prompt)
     tokens = []
@@ -44,7 +48,8 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("source", help="out_dir, checkpoint file, Hugging Face GPT-2 directory, "
                         "or gpt2 / gpt2-medium / gpt2-large / gpt2-xl")
-    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt", default="\n",
+                        help="text to continue (default: a newline; empty: from <|endoftext|>)")
     parser.add_argument("--prompt_file", help="read the prompt from this file instead")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=200)
@@ -54,7 +59,8 @@ def main(argv):
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if args.temperature <= 0 or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0:
+    if (not args.temperature > 0  # nan too, which would make every probability nan
+            or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0):
         parser.error("--temperature must be > 0, --top_k >= 0, --num_samples >= 1, "
                      "--max_new_tokens >= 0")
     prompt = args.prompt
@@ -63,6 +69,9 @@ def main(argv):
             prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as e:
             raise UserError(f"cannot read --prompt_file {args.prompt_file}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
+                            f"save it as UTF-8") from e
     model, _ = load_model(args.source, args.device)
     enc = gpt2_encoding()
     generator = torch.Generator(device=args.device).manual_seed(args.seed)

@@ -97,11 +97,12 @@ def test_standalone_script_scores_a_model(hf_tiny, examples_file):
     (lambda text: text.replace('"ctx"', '"context"', 1), "line 1 is not a HellaSwag example"),
     (lambda text: text.replace('"endings": [', '"endings": ["one more", ', 1),
      "line 1 is not a HellaSwag example \\(ctx: str, endings: 4 str, label: 0-3\\)"),
+    (lambda text: text.replace("roof", "r\udce9of"), "line 7 is not complete JSON"),  # Latin-1 é
     (lambda text: "", "holds no examples"),
 ])
 def test_a_damaged_file_gets_a_one_line_error(examples_file, tmp_path, damage, message):
     path = tmp_path / "damaged.jsonl"
-    path.write_text(damage(examples_file.read_text()))
+    path.write_text(damage(examples_file.read_text()), errors="surrogateescape")
     with pytest.raises(UserError, match=message):
         hellaswag.load_examples(path)
 
@@ -114,6 +115,14 @@ def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file,
     assert proc.returncode == 1
     assert proc.stderr.startswith("hellaswag.py: error: ") and proc.stderr.count("\n") == 1
     assert "delete" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_negative_number_of_examples_is_refused(hf_tiny, examples_file, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        hellaswag.main([str(hf_tiny), "--path", str(examples_file), "--examples", "-5"])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        ": error: --examples must be >= 0 (0: all), got -5\n")
 
 
 def test_a_model_with_a_smaller_vocabulary_is_refused(examples_file):

@@ -65,6 +65,20 @@ def test_script_prints_the_plan_and_what_fits():
     assert [line.split()[0] for line in lines[-3:]] == ["ddp", "zero2", "fsdp"]
 
 
+@pytest.mark.parametrize("option, value, rule", [
+    ("--world_size", "0", "--world_size must be >= 1, got 0"),
+    ("--world_size", "-8", "--world_size must be >= 1, got -8"),
+    ("--gpu_memory", "0", "--gpu_memory must be a finite number of GB > 0, got 0"),
+    ("--gpu_memory", "-80", "--gpu_memory must be a finite number of GB > 0, got -80"),
+    ("--gpu_memory", "nan", "--gpu_memory must be a finite number of GB > 0, got nan"),
+])
+def test_a_world_size_or_gpu_memory_out_of_range_is_refused(capsys, option, value, rule):
+    with pytest.raises(SystemExit) as excinfo:
+        memory_plan.main(["configs/gpt2_124m.toml", option, value])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err.endswith(f": error: {rule}\n")
+
+
 def test_gpt2_1558m_config_runs_on_cpu_with_tiny_sizes(tmp_path, tiny_data):
     """The 1.5B config with its sizes overridden: its sharding (zero2) and schedule keys run, with
     activation checkpointing, and the plan is printed before the first step."""

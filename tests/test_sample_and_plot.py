@@ -10,9 +10,10 @@ import torch
 
 import plot
 from conftest import ROOT
+from configurator import UserError
 from gpt2_weights import load_model
 from prepare_data import gpt2_encoding
-from sample import sample
+from sample import main as sample_main, sample
 
 
 def draw(model, seed, out=None, **kwargs):
@@ -60,6 +61,34 @@ def test_a_bad_source_is_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_*.pt) "
                            f"nor a Hugging Face config.json\n")
+
+
+def test_an_empty_prompt_starts_from_endoftext(hf_tiny, tmp_path, capsys):
+    model, _ = load_model(hf_tiny)
+    expected = io.StringIO()
+    sample(model, gpt2_encoding(), "<|endoftext|>", 5, 1.0, 50, torch.Generator().manual_seed(1337),
+           out=expected)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for prompt in (["--prompt", ""], ["--prompt_file", str(empty)]):
+        sample_main([str(hf_tiny), *prompt, "--max_new_tokens", "5", "--device", "cpu"])
+        assert capsys.readouterr().out == expected.getvalue().removeprefix("<|endoftext|>")
+
+
+def test_a_top_k_above_the_vocabulary_samples_from_all_of_it(hf_tiny, capsys):
+    texts = []
+    for top_k in ("100000", "0", "50"):
+        sample_main([str(hf_tiny), "--top_k", top_k, "--max_new_tokens", "5", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_a_prompt_file_that_is_not_utf8_is_refused(hf_tiny, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(b"caf\xe9")  # Latin-1
+    with pytest.raises(UserError, match=f"--prompt_file {path} is not UTF-8 text \\(byte 3\\): "
+                                        f"save it as UTF-8"):
+        sample_main([str(hf_tiny), "--prompt_file", str(path)])
 
 
 def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):

@@ -2,6 +2,8 @@
 init_from a transformers checkpoint, the tiny finetune config, and export to a directory that
 transformers loads with no network, tokenizer included."""
 
+import errno
+import os
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import torch
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
+import export_hf
 from conftest import ROOT, make_shards, read_log, run_training
 from gpt2_weights import load_model, pretrained, save_hf, tokenizer_files
 from prepare_data import gpt2_encoding
@@ -118,8 +121,27 @@ def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
         logits, _ = model(idx)
     assert logits.shape[-1] == 50304
     torch.testing.assert_close(hf_logits(exported, idx), logits, rtol=0, atol=TOLERANCE)
-    with pytest.raises(UserError, match="exists and is not empty"):
+    with pytest.raises(UserError, match="exists and is not an empty directory"):
         save_hf(model.state_dict(), config, tmp_path / "hf")
+
+
+def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny, tmp_path,
+                                                                          monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(UserError, match=f"{a_file} exists and is not an empty directory"):
+        export_hf.main([str(hf_tiny), str(a_file)])
+    with pytest.raises(UserError, match=f"cannot write {a_file}/hf: Not a directory"):
+        export_hf.main([str(hf_tiny), str(a_file / "hf")])
+
+    def refused(src, dst):  # as a read-only parent would: under root, chmod cannot make one
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(UserError, match=f"cannot write {tmp_path / 'hf'}: Permission denied; pick "
+                                        f"a directory you can write"):
+        export_hf.main([str(hf_tiny), str(tmp_path / "hf")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_tokenizer_files_hold_gpt2s_vocabulary_and_merges():

@@ -9,10 +9,16 @@ Every mistake is a UserError, which the scripts print as one line that says how 
 import dataclasses
 import difflib
 import inspect
+import os
 import re
+import signal
 import sys
+import time
 import tomllib
 from pathlib import Path
+
+
+RANK_ERROR_WAIT_S = 30  # see run()
 
 
 class UserError(Exception):
@@ -21,10 +27,19 @@ class UserError(Exception):
 
 def run(main, script):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
-    ends it with the one line `{script}: error: {message}` on stderr and exit status 1."""
+    ends it with the one line `{script}: error: {message}` on stderr and exit status 1.
+
+    Under torchrun every rank meets the same UserError (train_gpt2.py makes the ranks agree on
+    those only one rank sees), and rank 0 alone prints it: the others wait for torchrun to stop
+    them once rank 0 has exited, and print it themselves only if that does not come (an error of
+    their own, before the ranks could agree).
+    """
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
+        if os.environ.get("RANK", "0") != "0":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the training loop's handler defers it
+            time.sleep(RANK_ERROR_WAIT_S)
         sys.exit(f"{script}: error: {e}")
 
 
@@ -46,7 +61,7 @@ def cast_value(key, raw, typ):
             raise ValueError
         if typ is int:
             value = float(raw)
-            if value != int(value):
+            if value != int(value) or abs(value) >= 2**63:  # the range of torch's and numpy's int64
                 raise ValueError
             return int(value)
         if typ is float:

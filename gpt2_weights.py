@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoints
 from prepare_data import gpt2_encoding
 from configurator import UserError
 from train_gpt2 import GPT, Config
@@ -150,20 +151,20 @@ def load_model(source, device="cpu"):
     """
     path = Path(source)
     if path.is_dir() and not (path / "config.json").exists():
-        checkpoints = sorted(path.glob("ckpt_*.pt"))
-        if not checkpoints:
+        found = sorted(path.glob(checkpoints.PATTERN))
+        if not found:
             raise UserError(f"{path} holds neither checkpoints (ckpt_*.pt) nor a Hugging Face "
                             f"config.json")
-        path = checkpoints[-1]
+        path = found[-1]
     if path.is_file():
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-            fields = {f.name for f in dataclasses.fields(Config)}
-            config = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-            state = ckpt["model"]
-        except Exception as e:
-            raise UserError(f"cannot load checkpoint {path} ({e.__class__.__name__}: "
-                            f"{str(e)[:150]})") from e
+            ckpt = checkpoints.load(path)  # its checksum too
+        except checkpoints.Unloadable as e:
+            raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
+                            f"ckpt_*.pt of its out_dir") from None
+        fields = {f.name for f in dataclasses.fields(Config)}
+        config = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
+        state = ckpt["model"]
     else:
         shape, state = load_hf(source)
         config = Config(**shape)

@@ -27,7 +27,6 @@ import ctypes
 import dataclasses
 import gc
 import hashlib
-import json
 import math
 import os
 import re
@@ -49,10 +48,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
+import checkpoints
 import configurator
 import memory_plan
 from configurator import UserError
-from prepare_data import gpt2_encoding  # GPT-2's tokenizer, built offline from assets/, for samples
+from shards import HEADER_INTS, max_token_ids, read_shard_header, split_paths
+from prepare_data import EOT_TOKEN, gpt2_encoding  # GPT-2's tokenizer, offline, for samples
 
 # -----------------------------------------------------------------------------
 # Config
@@ -66,6 +67,7 @@ class Config:
     # off, and otherwise the last step always runs it. The last step always saves a checkpoint.
     # data and output
     data_dir: str = "data/fineweb-edu"  # shards made by prepare_data.py
+    dataset: str = ""  # the shards' name prefix to train on, where data_dir holds several datasets
     out_dir: str = "out"  # log.jsonl and checkpoints
     # model: GPT-2 124M
     init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl] or a Hugging Face GPT-2 directory
@@ -125,12 +127,13 @@ FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 CONFIG_RULES = {
     **{key: POSITIVE for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
                                  "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
-                                 "grad_clip", "bucket_cap_mb", "collective_timeout_s")},
+                                 "grad_clip", "bucket_cap_mb")},
     **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
                                      "eval_interval", "val_batches", "sample_interval",
                                      "sample_tokens", "hellaswag_interval", "hellaswag_examples",
                                      "checkpoint_interval", "keep_checkpoints")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
+    "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
                "auto, cpu, mps, cuda or cuda:N"),
     "sharding": (("ddp", "zero2", "fsdp"), "ddp, zero2 or fsdp"),
@@ -290,30 +293,6 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # Data: memory-mapped token shards, micro-batches numbered globally across ranks
 
-SHARD_MAGIC = 20240520  # llm.c / modded-nanogpt .bin: 256 int32 header, then uint16 tokens
-HEADER_INTS = 256
-
-
-def read_shard_header(path):
-    """Returns the token count of a .bin shard after checking its header and file size.
-
-    Raises UserError naming the file and the command that remakes it.
-    """
-    fix = "remake the shards with `python prepare_data.py --overwrite` (see README)"
-    size = os.path.getsize(path)
-    if size < HEADER_INTS * 4:
-        raise UserError(f"shard {path} is truncated or empty ({size} bytes); {fix}")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    if header[0] != SHARD_MAGIC or header[1] != 1:
-        raise UserError(f"shard {path} has a bad header (magic {header[0]}, version {header[1]}, "
-                         f"expected {SHARD_MAGIC}, 1): not a token shard; {fix}")
-    n_tokens = int(header[2])
-    if size != HEADER_INTS * 4 + 2 * n_tokens:
-        raise UserError(f"shard {path} holds {(size - HEADER_INTS * 4) // 2} tokens but its header "
-                         f"says {n_tokens}: truncated or corrupt; {fix}")
-    return n_tokens
-
-
 class DataLoader:
     """Yields (x, y) micro-batches of shape (B, T), int64, on `device`, from one split's shards.
 
@@ -324,18 +303,18 @@ class DataLoader:
     Shards are memory-mapped anew per batch, so host memory stays flat (nanoGPT #287).
     """
 
-    def __init__(self, data_dir, split, B, T, rank, world_size, device, vocab_size):
+    def __init__(self, data_dir, split, B, T, rank, world_size, device, vocab_size, dataset=""):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
         self.vocab_size = vocab_size
-        self.paths = sorted(Path(data_dir).glob(f"*_{split}_*.bin"))
+        self.paths = split_paths(data_dir, split, dataset)
         if not self.paths:
             makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
                       "tinyshakespeare": "python prepare_data.py"}
             maker = makers.get(Path(data_dir).name, f"python prepare_data.py --input FILES "
                                f"--name {Path(data_dir).name} --output-dir {data_dir}")
-            raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; make them with "
-                            f"`{maker}`, or try the small CPU config: python prepare_data.py && "
-                            f"python train_gpt2.py configs/shakespeare_cpu.toml")
+            raise UserError(f"no {split} shards ({dataset or '*'}_{split}_*.bin) in {data_dir}; make "
+                            f"them with `{maker}`, or try the small CPU config: python "
+                            f"prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
         sizes = [read_shard_header(p) for p in self.paths]
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
@@ -343,6 +322,17 @@ class DataLoader:
             raise UserError(f"{split} split in {data_dir} has {self.starts[-1]} tokens, fewer than "
                              f"one micro-batch of B*T+1 = {B * T + 1}; lower micro_batch_size or seq_len")
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
+
+    def check_token_ids(self, cache_path, reduce_max):
+        """Raises UserError, on every rank, when a shard holds a token id the embedding lacks
+        (another tokenizer's shards): before the first step, not mid-run on the one rank that read
+        it (shards.max_token_ids; a collective)."""
+        maxima = max_token_ids(self.paths, cache_path, self.rank, self.world_size, reduce_max)
+        for path, largest in zip(self.paths, maxima):
+            if largest >= self.vocab_size:
+                raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size="
+                                f"{self.vocab_size}: it was made with another tokenizer; remake it "
+                                f"with prepare_data.py or raise vocab_size")
 
     def read(self, start, n):
         """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64."""
@@ -352,12 +342,7 @@ class DataLoader:
             offset = start - int(self.starts[i])
             take = min(n, int(self.starts[i + 1]) - start)
             shard = np.memmap(self.paths[i], dtype="<u2", mode="r", offset=HEADER_INTS * 4)
-            chunk = np.array(shard[offset:offset + take], dtype=np.int64)
-            if chunk.max() >= self.vocab_size:  # an embedding lookup would fail far less clearly
-                raise UserError(f"shard {self.paths[i]} holds token id {chunk.max()}, beyond "
-                                f"vocab_size={self.vocab_size}: it was made with another tokenizer; "
-                                f"remake it with prepare_data.py or raise vocab_size")
-            out.append(chunk)
+            out.append(np.array(shard[offset:offset + take], dtype=np.int64))
             start, n = start + take, n - take
         return np.concatenate(out)
 
@@ -391,17 +376,6 @@ class DataLoader:
                             f"of this run's micro-batches of {self.B}*{self.T} tokens: resume with "
                             f"the checkpoint's seq_len and total_batch_size")
         self.batch_index = tokens // (self.B * self.T)
-
-
-def atomic_write(path, write):
-    """Calls write(f) on a temp file beside `path`, fsyncs it, then renames it onto `path`:
-    a process killed at any moment leaves either the old file or the new one, never a part."""
-    tmp = Path(path).with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # dense bf16 tensor-core peak FLOP/s by device name, from NVIDIA's datasheets (SXM unless named)
@@ -466,10 +440,10 @@ class ZeRO2AdamW:
     it and keeps AdamW state for that slice only (1/world_size of DDP's 8 bytes per parameter).
     No DDP wrapper: micro-steps that do not sync accumulate p.grad locally. On the syncing one,
     a post-accumulate-grad hook launches an asynchronous reduce-scatter of each gradient as soon
-    as autograd has finished it, so communication overlaps the rest of the backward. step()
-    waits on them in the order the backward made them, clips by the norm of the full gradient
-    (summed over ranks), updates the slices with torch.optim.AdamW (the same arithmetic as ddp
-    mode) and all-gathers the new slices into every rank's full parameters. With `exact`, the
+    as autograd has finished it, so communication overlaps the rest of the backward.
+    clip_grad_norm() waits on them in the order the backward made them and clips by the norm of
+    the full gradient (summed over ranks); step() updates the slices with torch.optim.AdamW (the
+    same arithmetic as ddp mode) and all-gathers the new slices into every rank's full parameters. With `exact`, the
     micro-steps' gradients are summed in float64 and reduce-scattered as float64 sums (see
     DDPMode), then cast to float32 once.
 
@@ -532,21 +506,24 @@ class ZeRO2AdamW:
             p.grad = None
         self.optimizer.zero_grad()
 
-    def step(self, max_norm):
-        """Clips to max_norm and updates; returns the full gradient's norm before clipping."""
+    def clip_grad_norm(self, max_norm):
+        """Waits for the gradients' reduce-scatters and clips them to max_norm; returns the full
+        gradient's norm before clipping."""
         for p, reduced, work in self.pending:  # in backward order: the earliest launched finish first
             work.wait()
             self.shards[p].grad = reduced.float()
             p.grad = None  # the full gradient is no longer needed: ZeRO-2's memory saving
         self.pending = []
-        norm = clip_grad_norm([s.grad for s in self.shards.values()], max_norm, sharded=True)
+        return clip_grad_norm([s.grad for s in self.shards.values()], max_norm, sharded=True)
+
+    def step(self):
+        """Updates this rank's slices and all-gathers them into every rank's full parameters."""
         self.optimizer.step()
         gathers = [(p, *self.gather(shard, p)) for p, shard in self.shards.items()]
         with torch.no_grad():
             for p, work, full in gathers:
                 work.wait()
                 p.copy_(full)
-        return norm
 
     def state_dict(self):
         inner = self.optimizer.state_dict()
@@ -581,8 +558,8 @@ class DDPMode:
     the gradients in buckets, overlapped with the backward (one process without torchrun: no DDP).
 
     Every mode gives the loop `model` (to run), `optimizer` (whose lr the schedule sets),
-    set_grad_sync(sync) before each micro-step's forward, clip_and_step(max_norm) after the last
-    backward, and state_dict()/load_state_dict() of the full, unsharded model and optimizer.
+    set_grad_sync(sync) before each micro-step's forward, clip_grad_norm(max_norm) after the last
+    backward then step() unless the loop skips the update, and state_dict()/load_state_dict() of the full, unsharded model and optimizer.
 
     exact_reduction: a post-accumulate-grad hook adds each micro-step's gradient into a float64
     sum; on the syncing micro-step a comm hook sums those over ranks in float64 and casts to
@@ -656,12 +633,13 @@ class DDPMode:
         work = dist.all_reduce(flat, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0].float())
 
-    def clip_and_step(self, max_norm):
-        """Clips the gradient to max_norm and updates; returns the norm before clipping."""
+    def clip_grad_norm(self, max_norm):
+        """Clips the gradient to max_norm; returns its norm before clipping (a device scalar)."""
         grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
-        norm = clip_grad_norm(grads, max_norm, sharded=False)
+        return clip_grad_norm(grads, max_norm, sharded=False)
+
+    def step(self):
         self.optimizer.step()
-        return norm
 
     def state_dict(self):
         return self.raw_model.state_dict(), self.optimizer.state_dict()
@@ -684,8 +662,8 @@ class ZeRO2Mode(DDPMode):
     def set_grad_sync(self, sync):
         self.optimizer.require_backward_grad_sync = sync
 
-    def clip_and_step(self, max_norm):
-        return self.optimizer.step(max_norm)
+    def clip_grad_norm(self, max_norm):
+        return self.optimizer.clip_grad_norm(max_norm)
 
 
 class FSDPMode(DDPMode):
@@ -714,11 +692,9 @@ class FSDPMode(DDPMode):
     def set_grad_sync(self, sync):
         self.raw_model.set_requires_gradient_sync(sync)
 
-    def clip_and_step(self, max_norm):
+    def clip_grad_norm(self, max_norm):
         grads = [p.grad.to_local() for p in self.raw_model.parameters() if p.grad is not None]
-        norm = clip_grad_norm(grads, max_norm, sharded=True)
-        self.optimizer.step()
-        return norm
+        return clip_grad_norm(grads, max_norm, sharded=True)
 
     def state_dict(self):
         """Full state dicts keyed by parameter name (torch.distributed.checkpoint)."""
@@ -773,6 +749,45 @@ def catch_stop_signals():
     return received
 
 
+def agreed(fn, master_only=False):
+    """Runs fn() on every rank (on rank 0 alone with master_only) and returns its result where it
+    ran, None elsewhere. If fn raised UserError on any rank, every rank raises it (the lowest such
+    rank's message), so that under torchrun the others stop too instead of waiting for a
+    collective until the timeout; configurator.run prints it from rank 0 alone. A collective."""
+    result, error = None, None
+    if not master_only or not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+def broadcast_object(obj):
+    """Rank 0's obj (picklable), on every rank. A collective."""
+    if dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def all_reduce_max(values, device):
+    """The element-wise maximum of a list of ints over ranks. A collective."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+MAX_SKIPPED_STEPS = 3  # updates skipped for a non-finite loss or gradient, in a row, end the run
 TORCH_FLOOR = (2, 8)  # requirements.txt's: FSDP2's set_gradient_divide_factor, for exact_reduction
 
 
@@ -803,6 +818,11 @@ def main(argv):
     else:
         device = config.device
     device = torch.device(device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device={config.device}: this machine has {torch.cuda.device_count()} "
+                        f"CUDA device(s) visible to torch; pass --device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available here; pass --device=auto or cpu")
     if config.exact_reduction:  # bitwise runs need kernels that round alike, too
         if device.type == "mps":
             raise UserError("exact_reduction sums in float64, which MPS lacks: pass --device=cpu "
@@ -843,6 +863,48 @@ def main(argv):
             dist.destroy_process_group()
 
 
+def resume(config, mode, train_loader, master_process, log):
+    """Loads the newest checkpoint of out_dir that loads (chosen on rank 0, which sets damaged
+    newer ones aside: checkpoints.newest_loadable) into the model, optimizer and train loader, on
+    every rank. No RNG state is needed: every random draw after init is seeded from (seed, step...).
+
+    Returns (its step, its path), or (0, None) when resume=never or out_dir has no checkpoint.
+    Raises UserError, on every rank, when none loads, when it is of another model, or when a rank
+    cannot read the one rank 0 chose.
+    """
+    if config.resume == "never":
+        return 0, None
+    found = agreed(lambda: checkpoints.newest_loadable(config.out_dir, log), master_only=True)
+    path = broadcast_object(found[0] if master_process else None)
+    if path is None:
+        return 0, None
+
+    def load():
+        if master_process:
+            return found[1]
+        try:
+            return checkpoints.load(path)
+        except checkpoints.Unloadable as e:
+            raise UserError(f"checkpoint {path} loads on rank 0 but not on this node ({e}): out_dir "
+                            f"must be a directory that every node sees") from None
+
+    ckpt = agreed(load)
+    saved = ckpt["config"]
+    model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+    diff = {k: (saved.get(k), getattr(config, k)) for k in model_keys if saved.get(k) != getattr(config, k)}
+    if (saved.get("sharding") == "fsdp") != (config.sharding == "fsdp"):
+        diff["sharding"] = (saved.get("sharding"), config.sharding)  # another optimizer format
+    if diff:
+        raise UserError(
+            f"checkpoint {path} is of another model: "
+            + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
+            + "; use the checkpoint's model config, another out_dir, or resume=never")
+    mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
+    train_loader.load_state_dict(ckpt["loader"])
+    log(f"resumed from {path} at step {ckpt['step']}")
+    return ckpt["step"], path
+
+
 def train(config, rank, world_size, master_process, device):
     def log(*args):
         if master_process:
@@ -864,6 +926,14 @@ def train(config, rank, world_size, master_process, device):
     sum_dtype = torch.float64 if config.exact_reduction else torch.float32
     log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
         f"= {B} x {T} x {world_size} x {grad_accum_steps} grad accum steps")
+    # rank 0's handle on out_dir, taken first: a second run on the same out_dir stops here
+    out = agreed(lambda: checkpoints.OutDir(config.out_dir), master_only=True)
+    out_dir = Path(config.out_dir)
+    existing = sorted(out_dir.glob(checkpoints.PATTERN))
+    if config.resume == "never" and existing and not config.overwrite:
+        raise UserError(f"{out_dir} has checkpoints and resume=never would overwrite them; pass "
+                        f"--resume=auto to continue, --overwrite=true to start over, or another "
+                        f"--out_dir")
 
     # imported only when used (safetensors and huggingface_hub are slow to import); bad weights or
     # data fail here, before any work
@@ -871,14 +941,23 @@ def train(config, rank, world_size, master_process, device):
     if config.init_from != "scratch":
         from gpt2_weights import pretrained
         # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
-        resuming = config.resume == "auto" and any(Path(config.out_dir).glob("ckpt_*.pt"))
+        resuming = config.resume == "auto" and bool(existing)
         config, pretrained_state = pretrained(config, weights=not resuming)
         log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
+    enc = gpt2_encoding()
+    # an empty prompt starts from <|endoftext|>, as GPT-2's unconditional samples
+    prompt = enc.encode_ordinary(config.sample_prompt) or [EOT_TOKEN]
+    if config.sample_interval > 0 and max(prompt) >= config.vocab_size:
+        raise UserError(f"sample_prompt {config.sample_prompt!r} has GPT-2 token id {max(prompt)}, "
+                        f"beyond vocab_size={config.vocab_size}: pick another prompt, or pass "
+                        f"--sample_interval=0")
     if config.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(config, master_process)
-    train_loader = DataLoader(config.data_dir, "train", B, T, rank, world_size, device, config.vocab_size)
-    val_loader = DataLoader(config.data_dir, "val", B, T, rank, world_size, device, config.vocab_size)
+    train_loader, val_loader = (DataLoader(config.data_dir, split, B, T, rank, world_size, device,
+                                           config.vocab_size, config.dataset) for split in ("train", "val"))
+    for loader in (train_loader, val_loader):
+        loader.check_token_ids(out_dir / "token_ids.json", lambda values: all_reduce_max(values, device))
 
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -907,83 +986,28 @@ def train(config, rank, world_size, master_process, device):
         ratio = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
         return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.max_lr - config.min_lr)
 
-    # Resume: the latest checkpoint in out_dir holds model, optimizer, step and loader position.
-    # No RNG state needs saving: every random draw after init is seeded from (seed, step, ...).
-    out_dir = Path(config.out_dir)
-    start_step = 0
-    checkpoints = sorted(out_dir.glob("ckpt_*.pt"))
-    if config.resume == "never" and checkpoints:
-        if not config.overwrite:
-            raise UserError(f"{out_dir} has checkpoints and resume=never would overwrite them; "
-                            f"pass --resume=auto to continue, --overwrite=true to start over, or "
-                            f"another --out_dir")
-        if master_process:
-            for path in checkpoints:
-                path.unlink()
-    if config.resume == "auto" and checkpoints:
-        for path in reversed(checkpoints):  # the newest that loads: one cut short may lie there
-            try:
-                ckpt = torch.load(path, map_location=device, weights_only=True)
-                break
-            except Exception as e:
-                reason = f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-                log(f"warning: cannot load checkpoint {path} ({reason}); trying the one before")
-        else:
-            raise UserError(f"no checkpoint in {out_dir} can be loaded (the oldest: {reason}); pass "
-                            f"--resume=never --overwrite=true to start over, or another --out_dir")
-        model_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
-        diff = {k: (ckpt["config"][k], getattr(config, k)) for k in model_keys
-                if ckpt["config"][k] != getattr(config, k)}
-        if (ckpt["config"]["sharding"] == "fsdp") != (config.sharding == "fsdp"):
-            diff["sharding"] = (ckpt["config"]["sharding"], config.sharding)  # other optimizer format
-        if diff:
-            raise UserError(
-                f"checkpoint {path} is of another model: "
-                + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
-                + "; use the checkpoint's model config, another out_dir, or resume=never")
-        mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"])
-        start_step = ckpt["step"]
-        log(f"resumed from {path} at step {start_step}")
-        if start_step >= config.max_steps:
-            log(f"the run in {out_dir} is complete: step {start_step} of max_steps="
-                f"{config.max_steps}. Raise --max_steps to train on, or start over with "
-                f"--resume=never --overwrite=true or another --out_dir")
-            return
-    log_path = out_dir / "log.jsonl"
-    if master_process:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            # drop what a killed run logged after its last checkpoint: those steps run again
-            lines = log_path.read_text().splitlines() if log_path.exists() else []
-            kept = [line for line in lines  # a line cut by a kill does not end its object
-                    if line.endswith("}") and json.loads(line)["step"] < start_step]
-            atomic_write(log_path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
-            for stale in out_dir.glob("*.tmp"):  # from a save that was killed
-                stale.unlink()
-        except OSError as e:
-            raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror}; "
-                            f"pass a writable --out_dir") from e
+    start_step, resumed_from = resume(config, mode, train_loader, master_process, log)
+    if start_step >= config.max_steps:
+        log(f"the run in {out_dir} is complete: step {start_step} of max_steps={config.max_steps}. "
+            f"Raise --max_steps to train on, or start over with --resume=never --overwrite=true or "
+            f"another --out_dir")
+        return 0
+    # with overwrite, the old checkpoints and log stay until the first checkpoint of this run
+    agreed(lambda: out.start(start_step, resumed_from, existing if config.resume == "never" else []),
+           master_only=True)
 
     def log_json(record):
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if master_process:
+            out.log(record)
 
     def save_checkpoint(step):
-        """Writes {out_dir}/ckpt_{step}.pt atomically, then drops all but keep_checkpoints.
-        Every rank calls it: the sharded modes gather their state into full tensors first."""
+        """Saves the checkpoint of `step` (checkpoints.OutDir.save). Every rank calls it: the
+        sharded modes gather their state into full tensors first, and all ranks stop if it fails."""
         model_state, optimizer_state = mode.state_dict()
-        if not master_process:
-            return
-        path = out_dir / f"ckpt_{step:07d}.pt"
         state = {"model": model_state, "optimizer": optimizer_state,
                  "config": dataclasses.asdict(config), "step": step,
                  "loader": train_loader.state_dict()}
-        atomic_write(path, lambda f: torch.save(state, f))
-        if config.keep_checkpoints > 0:
-            for old in sorted(out_dir.glob("ckpt_*.pt"))[:-config.keep_checkpoints]:
-                old.unlink()
-        log(f"saved {path}")
+        log(f"saved {agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)}")
 
     def evaluate():
         """Mean loss over the first val_batches micro-batches of the val split, whatever world_size."""
@@ -1005,9 +1029,8 @@ def train(config, rank, world_size, master_process, device):
         return (total[0] / total[1]).float().item()
 
     def sample(step):
-        enc = gpt2_encoding()
         raw_model.eval()
-        idx = torch.tensor([enc.encode_ordinary(config.sample_prompt)], device=device)
+        idx = torch.tensor([prompt], device=device)
         generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
         out = torch.cat([idx, *raw_model.generate(idx, config.sample_tokens, generator)], dim=1)
         raw_model.train()
@@ -1028,21 +1051,20 @@ def train(config, rank, world_size, master_process, device):
     # -------------------------------------------------------------------------
     # Training loop
     dt_avg = 0.0  # seconds per step, for the ETA
+    skipped = 0  # steps in a row whose update was skipped
     stop, stop_signals = False, catch_stop_signals()
     stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
     for step in range(start_step, config.max_steps):
         if every(config.eval_interval, step):
             val_loss = evaluate()
             log(f"step {step:5d} | val loss {val_loss:.4f}")
-            if master_process:
-                log_json({"step": step, "val_loss": val_loss})
+            log_json({"step": step, "val_loss": val_loss})
         if every(config.hellaswag_interval, step):
             result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
                                         autocast)
             raw_model.train()
             log(f"step {step:5d} | {hellaswag.summary(result)}")
-            if master_process:
-                log_json({"step": step, **result})
+            log_json({"step": step, **result})
         if every(config.sample_interval, step) and step > 0:
             sample(step)  # on every rank, for FSDP's all-gathers; the master prints
 
@@ -1076,16 +1098,21 @@ def train(config, rank, world_size, master_process, device):
             lr = get_lr(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            norm = mode.clip_and_step(config.grad_clip)
-        # the mean over the step's micro-batches; the first host sync of the step
-        loss_value = (loss_sum / micro_batches_per_step).float().item()
+            norm = mode.clip_grad_norm(config.grad_clip)
+            # the step's one host sync, before the update: a non-finite loss or gradient norm
+            # (divergence, a bad batch) skips it, leaving weights and optimizer state untouched
+            loss_value, stop, norm = torch.stack(
+                [(loss_sum / micro_batches_per_step).float(), stop.float(), norm]).tolist()
+            finite = math.isfinite(loss_value) and math.isfinite(norm)
+            if finite:
+                mode.step()
+        skipped = 0 if finite else skipped + 1
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
         tokens_per_sec = config.total_batch_size / dt
-        norm = norm.item()
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm,
-                  "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec}
+                  "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec, **({} if finite else {"skipped": True})}
         if peak:
             record["mfu"] = flops_per_step / dt / (peak * world_size)
         if device.type == "cuda":
@@ -1094,22 +1121,31 @@ def train(config, rank, world_size, master_process, device):
             record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)  # rank 0's
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
         dt_avg = dt if step <= start_step + 1 else 0.9 * dt_avg + 0.1 * dt
-        eta = timedelta(seconds=round(dt_avg * (config.max_steps - step - 1)))
+        eta = timedelta(seconds=round(min(dt_avg * (config.max_steps - step - 1), 1e12)))
         log(f"step {step:5d}/{config.max_steps} | loss: {loss_value:.6f} | lr {lr:.4e} | norm: "
             f"{norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
-            + (f" | mfu: {record['mfu'] * 100:.1f}%" if peak else "") + f" | eta {eta}")
+            + (f" | mfu: {record['mfu'] * 100:.1f}%" if peak else "") + f" | eta {eta}"
+            + ("" if finite else " | update skipped: non-finite loss or gradient"))
         if profiler:
             profiler.step()
-        if master_process:
-            log_json(record)
-        stop = stop.item() > 0
-        if stop or step + 1 == config.max_steps or (
-                config.checkpoint_interval > 0 and (step + 1) % config.checkpoint_interval == 0):
+        log_json(record)
+        if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
+            raise UserError(
+                f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} "
+                f"(loss {loss_value}, grad norm {norm}): the run diverged; their updates were "
+                f"skipped and not saved. Lower --max_lr (now {config.max_lr}) or look for bad data "
+                f"in those steps, and rerun to resume (the newest checkpoints may hold the start "
+                f"of the divergence: move them out of {config.out_dir} to resume from an older one)")
+        stop = stop > 0
+        # not after a skipped update: those weights gave a non-finite loss
+        if not skipped and (stop or step + 1 == config.max_steps or (
+                config.checkpoint_interval > 0 and (step + 1) % config.checkpoint_interval == 0)):
             save_checkpoint(step + 1)
         if stop:
             signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
-            log(f"stopped by {signal.Signals(signum).name} after step {step}: the checkpoint of "
-                f"step {step + 1} is saved; rerun the same command to resume")
+            log(f"stopped by {signal.Signals(signum).name} after step {step}: "
+                + ("" if skipped else f"the checkpoint of step {step + 1} is saved; ")
+                + "rerun the same command to resume")
             break
     if profiler:
         profiler.stop()

@@ -164,7 +164,7 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     run_training(args)
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
-    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader"}
+    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "sha256"}
     assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64}
 
     # rerunning a finished run says so, trains nothing and succeeds
@@ -311,3 +311,156 @@ def test_killed_prepare_data_leaves_no_shard_and_a_rerun_completes(tmp_path):
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     shards = sorted(out.glob("*.bin"))
     assert len(shards) > 2 and not (out / ".partial").exists()
+
+
+# --- nothing lost: divergence, damaged checkpoints, two runs, overwrite, a full disk ---------------
+
+SMALL = [*TINY, "--total_batch_size=64", "--eval_interval=0", "--keep_checkpoints=2"]
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory):
+    """A finished 4-step run with checkpoints of steps 2 and 4, and its data."""
+    root = tmp_path_factory.mktemp("good_run")
+    make_shards(root / "data")
+    run_training([*SMALL, f"--data_dir={root / 'data'}", f"--out_dir={root / 'out'}", "--max_steps=4",
+                  "--checkpoint_interval=2"])
+    return root
+
+
+def copy_run(good_run, tmp_path):
+    """A copy of good_run's out_dir to change, and the bytes of its checkpoints."""
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(good_run / "out", out)
+    return out, {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")}
+
+
+def all_finite(path):
+    state = torch.load(path, weights_only=True)
+    tensors = [*state["model"].values(),
+               *(t for s in state["optimizer"]["state"].values() for t in s.values())]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpoint(good_run, tmp_path):
+    """lr 1e30 blows the weights up at step 4; from step 5 the loss is nan. Those updates are
+    skipped and logged as such, nothing is saved after a skipped update, and after 3 in a row
+    the run ends in one line; the checkpoint it resumed from is kept whatever keep_checkpoints
+    says, and no checkpoint holds a non-finite value."""
+    out, before = copy_run(good_run, tmp_path)
+    err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
+                      "--max_steps=20", "--max_lr=1e30", "--checkpoint_interval=1", "--keep_checkpoints=1")
+    assert "the loss or gradient norm was not finite in steps 5-7 (loss nan, grad norm nan)" in err
+    assert (out / "ckpt_0000004.pt").read_bytes() == before["ckpt_0000004.pt"]
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000004.pt", "ckpt_0000005.pt"]
+    assert all(all_finite(p) for p in out.glob("ckpt_*.pt"))
+    steps, _ = read_log(out)
+    assert [s["step"] for s in steps if s.get("skipped")] == [5, 6, 7]
+
+
+def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(good_run, tmp_path):
+    """1 KB overwritten in the tensor data of the newest checkpoint (it loads, but fails its
+    checksum), and a newer zip that is not a checkpoint of ours: both are named, set aside as
+    .damaged, and the run resumes from the good one before them and keeps it (keep_checkpoints=1).
+    A damaged line in log.jsonl is dropped, not a traceback."""
+    out, before = copy_run(good_run, tmp_path)
+    data = bytearray(before["ckpt_0000004.pt"])
+    data[len(data) // 2:len(data) // 2 + 1024] = os.urandom(1024)
+    (out / "ckpt_0000004.pt").write_bytes(bytes(data))
+    torch.save({"model": {}}, out / "ckpt_0000009.pt")
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 1, "loss": 5.0, "lr"\n{"no step": 1}\n')
+    proc = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
+                         "--checkpoint_interval=1", "--keep_checkpoints=1"])
+    assert (f"cannot load checkpoint {out}/ckpt_0000009.pt (not a train_gpt2.py checkpoint: no "
+            f"optimizer, config, step, loader)") in proc.stdout
+    assert (f"cannot load checkpoint {out}/ckpt_0000004.pt (its contents do not match its checksum: "
+            f"the file is corrupt)") in proc.stdout
+    assert f"resumed from {out}/ckpt_0000002.pt at step 2" in proc.stdout
+    assert sorted(p.name for p in out.glob("ckpt_*")) == [
+        "ckpt_0000002.pt", "ckpt_0000004.pt.damaged", "ckpt_0000006.pt", "ckpt_0000009.pt.damaged"]
+    assert (out / "ckpt_0000002.pt").read_bytes() == before["ckpt_0000002.pt"]
+    assert [s["step"] for s in read_log(out)[0]] == list(range(6))
+
+
+def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):
+    """A run holds an OS lock on its out_dir: a second run refuses in one line naming it. Under
+    torchrun, an error that rank 0 alone finds (out_dir is a file) or that every rank finds (the
+    config) is one line from rank 0, and no rank prints a traceback."""
+    import fcntl
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.write("pid 12345 on elsewhere\n")
+        holder.flush()
+        err = train_error(f"--data_dir={good_run / 'data'}", f"--out_dir={out}")
+    assert f"out_dir {out} is in use by another run (pid 12345 on elsewhere); wait for it" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for bad, message in ([f"--out_dir={blocker}/out"],
+                         f"cannot write to out_dir {blocker}/out: Not a directory; pass a writable --out_dir"), \
+                        (["--n_head=3", f"--out_dir={out}"], "n_embd=32 is not divisible by n_head=3"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "train_gpt2.py", *TINY,
+                               f"--data_dir={good_run / 'data'}", *bad],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert [line for line in proc.stderr.splitlines() if "error:" in line] == [
+            f"train_gpt2.py: error: {message}"]
+        assert 'train_gpt2.py", line' not in proc.stderr  # no worker's traceback; torchrun's is its own
+
+
+def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_refused(good_run, tmp_path):
+    """resume=never with overwrite over good checkpoints, on shards of another tokenizer: refused
+    before any step with the checkpoints and log untouched. A data_dir holding two datasets is
+    refused unless --dataset names one; with it the run trains, and the old checkpoints and log go
+    once its first checkpoint is saved. An empty sample_prompt starts from <|endoftext|>, which
+    needs GPT-2's vocabulary (refused in one line below it)."""
+    out, before = copy_run(good_run, tmp_path)
+    log_before = (out / "log.jsonl").read_text()
+    data = tmp_path / "data"
+    make_shards(data)
+    write_shard(data / "tiny_train_000002.bin", np.full(100, 50256))  # GPT-2 ids, vocab_size 512
+    never = [*SMALL[len(TINY):], "--resume=never", "--overwrite=true", f"--out_dir={out}"]
+    err = train_error(*never, f"--data_dir={data}")
+    assert "tiny_train_000002.bin holds token id 50256, beyond vocab_size=512" in err
+    assert {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")} == before
+    assert (out / "log.jsonl").read_text() == log_before
+
+    (data / "tiny_train_000002.bin").unlink()
+    make_shards(data / "other")
+    for path in (data / "other").iterdir():
+        path.rename(data / path.name.replace("tiny", "other"))
+    err = train_error(*never, f"--data_dir={data}")
+    assert f"{data} holds the shards of 2 datasets (other, tiny): pass --dataset=NAME" in err
+    sample = ["--sample_interval=1", "--sample_prompt=", "--sample_tokens=4"]
+    err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", *sample)
+    assert "sample_prompt '' has GPT-2 token id 50256, beyond vocab_size=512" in err
+    proc = run_training([*SMALL, *never[len(SMALL) - len(TINY):], f"--data_dir={data}",
+                         "--dataset=tiny", "--max_steps=2", "--checkpoint_interval=1",
+                         "--vocab_size=50304", *sample])
+    assert "sample at step 1: '<|endoftext|>" in proc.stdout
+    assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
+    assert [s["step"] for s in read_log(out)[0]] == [0, 1]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(good_run, tmp_path):
+    """A checkpoint write that fails (here: past a 200 KB file-size limit, EFBIG, as ENOSPC would)
+    ends the run in one line; the temp file is gone, the older checkpoints are intact, and the
+    rerun without the limit resumes from them."""
+    import resource
+    out, before = copy_run(good_run, tmp_path)
+    args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
+            "--checkpoint_interval=2"]
+    proc = subprocess.run(
+        [sys.executable, "train_gpt2.py", *args], cwd=ROOT, capture_output=True, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr == (f"train_gpt2.py: error: cannot save checkpoint {out}/ckpt_0000006.pt: "
+                           f"File too large; the older checkpoints are kept: free some space or "
+                           f"pass another --out_dir, and rerun to resume\n")
+    assert {p.name: p.read_bytes() for p in out.glob("ckpt_*")} == before
+    assert not list(out.glob("*.tmp"))
+    assert f"resumed from {out}/ckpt_0000004.pt at step 4" in run_training(args).stdout

@@ -1,5 +1,6 @@
 """Config parsing, the model's shape and names, the loader, and DDP against one process."""
 
+import os
 import re
 import subprocess
 import sys
@@ -46,10 +47,49 @@ def test_overrides_cast_to_field_types(tmp_path):
                           "--eval_interval=0"),
     (["--device=tpu"], "'device' must be auto, cpu, mps, cuda or cuda:N, got 'tpu'"),
     (["--sharding=zero3"], "'sharding' must be ddp, zero2 or fsdp, got 'zero3'"),
+    (["--max_steps=1e30"], "cannot read '1e30' as int"),  # beyond int64: OverflowError mid-run
+    (["--collective_timeout_s=1e14"], "'collective_timeout_s' must be > 0 and <= 1e8"),
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
         load_config(argv)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda:99", "--device=cuda:99: this machine has \\d+ CUDA device\\(s\\) visible to torch"),
+    ("mps", "--device=mps: MPS is not available here"),
+])
+def test_a_device_this_machine_lacks_is_refused_before_any_work(device, message):
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(UserError, match=message):
+        train_gpt2.main([f"--device={device}"])
+
+
+def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
+    """prepare_data's manifest is trusted where a shard's name and size match it; other shards are
+    read once, and the result is kept in out_dir keyed by size and mtime: a shard rewritten in
+    place (same size and mtime) is not read again, one with a new mtime is."""
+    import json
+    import shards
+    data = tmp_path / "data"
+    make_shards(data)
+    paths = sorted(data.glob("*.bin"))  # train 1, train 2, val
+    cache = tmp_path / "token_ids.json"
+    reduce_max = lambda values: values  # noqa: E731 (one process)
+    assert shards.max_token_ids(paths, cache, 0, 1, reduce_max) == [63, 63, 63]
+    assert shards.max_token_ids(paths[1:], cache, 0, 1, reduce_max) == [63, 63]
+    stat = paths[0].stat()
+    write_shard(paths[0], np.full(2000, 500))  # same size as before
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert shards.max_token_ids(paths, cache, 0, 1, reduce_max)[0] == 63  # from the cache
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert shards.max_token_ids(paths, cache, 0, 1, reduce_max)[0] == 500  # read again
+    manifest = {"shards": [{"file": p.name, "bytes": p.stat().st_size, "tokens": 0,
+                            "max_token_id": 7} for p in paths[1:]]}
+    (data / "tiny_manifest.json").write_text(json.dumps(manifest))
+    cache.unlink()
+    assert shards.max_token_ids(paths, cache, 0, 1, reduce_max) == [500, 7, 7]
 
 
 class ReachedConfig(Exception):

@@ -1,0 +1,117 @@
+"""
+The shards of a data_dir as train_gpt2.py reads them: which files form a split, their headers, and
+whether every token id fits the model's vocabulary, known before the first step.
+
+The format is llm.c's .bin, which prepare_data.py writes: 256 little-endian int32 (magic 20240520,
+version 1, token count), then the tokens as little-endian uint16. Shards are named
+{dataset}_{split}_{index:06d}.bin.
+"""
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from checkpoints import atomic_write
+from configurator import UserError
+
+SHARD_MAGIC = 20240520
+HEADER_INTS = 256
+FIX = "remake the shards with `python prepare_data.py --overwrite` (see README)"
+
+
+def read_shard_header(path):
+    """Returns the token count of a .bin shard after checking its header and file size.
+
+    Raises UserError naming the file and the command that remakes it.
+    """
+    size = os.path.getsize(path)
+    if size < HEADER_INTS * 4:
+        raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC or header[1] != 1:
+        raise UserError(f"shard {path} has a bad header (magic {header[0]}, version {header[1]}, "
+                        f"expected {SHARD_MAGIC}, 1): not a token shard; {FIX}")
+    n_tokens = int(header[2])
+    if size != HEADER_INTS * 4 + 2 * n_tokens:
+        raise UserError(f"shard {path} holds {(size - HEADER_INTS * 4) // 2} tokens but its header "
+                        f"says {n_tokens}: truncated or corrupt; {FIX}")
+    return n_tokens
+
+
+def split_paths(data_dir, split, dataset=""):
+    """The shards of one split in data_dir, in name order: those of `dataset` (their name's prefix
+    before _train_/_val_), or of the only dataset there.
+
+    Raises UserError when data_dir holds the shards of several datasets and `dataset` is empty:
+    reading them all would mix two corpora without a word.
+    """
+    data_dir = Path(data_dir)
+    if dataset:
+        return sorted(data_dir.glob(f"{glob.escape(dataset)}_{split}_*.bin"))
+    names = {p.name.rsplit(f"_{s}_", 1)[0] for s in ("train", "val") for p in data_dir.glob(f"*_{s}_*.bin")}
+    if len(names) > 1:
+        raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(sorted(names))}): "
+                        f"pass --dataset=NAME to train on one, or move the others out")
+    return sorted(data_dir.glob(f"*_{split}_*.bin"))
+
+
+def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
+    """The largest token id of each shard in `paths`, as a list of ints.
+
+    Taken from prepare_data.py's manifests in the shards' directory (an entry counts when a file
+    of its name and size is there), else from `cache_path` (a JSON file in out_dir: data_dir may be
+    read-only) when a shard's size and mtime are unchanged, else by reading the shard: the ranks
+    split that work, with progress on rank 0, and rank 0 adds the results to the cache, so a long
+    run's restarts do not read 10B tokens again. reduce_max(list of ints) is a collective that
+    every rank calls once: the element-wise maximum over ranks.
+    """
+    known = {}
+    for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
+        try:
+            for e in json.loads(manifest.read_text()).get("shards", []):
+                path = manifest.parent / e["file"]
+                if path.is_file() and path.stat().st_size == e["bytes"]:
+                    known[path] = int(e["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a manifest of an older prepare_data.py, or not one: scan its shards
+    try:
+        cache = json.loads(Path(cache_path).read_text())
+    except (OSError, ValueError):
+        cache = {}
+    todo = []
+    for path in paths:
+        if path in known:
+            continue
+        stat, entry = path.stat(), cache.get(str(path.resolve()), {})
+        if entry.get("bytes") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+            known[path] = entry["max_token_id"]
+        else:
+            todo.append(path)
+    mine = todo[rank::world_size]
+    scanned = {}
+    with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
+              desc="checking token ids", disable=rank != 0, delay=1) as progress:
+        for path in mine:
+            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4)
+            largest = 0
+            for start in range(0, len(tokens), 1 << 24):
+                chunk = tokens[start:start + (1 << 24)]
+                largest = max(largest, int(chunk.max()))
+                progress.update(len(chunk))
+            scanned[path] = largest
+    maxima = reduce_max([known.get(p, scanned.get(p, -1)) for p in paths])
+    if rank == 0 and todo:
+        for path, largest in zip(paths, maxima):
+            if path in todo:
+                stat = path.stat()
+                cache[str(path.resolve())] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                              "max_token_id": largest}
+        try:
+            atomic_write(cache_path, lambda f: f.write(json.dumps(cache, indent=1).encode()))
+        except OSError:
+            pass  # only a cache: the next run reads the shards again
+    return maxima

@@ -161,7 +161,8 @@ def load(path):
 def newest_loadable(out_dir, warn):
     """Loads the newest checkpoint of out_dir that loads; returns (path, state), or (None, None)
     when out_dir has none. Each newer one that does not load is named in warn() and set aside as
-    {name}.damaged, so that it neither shadows the good one nor is taken for the newest when pruning.
+    {name}.damaged (.damaged2...), so that it neither shadows the good one nor is taken for the
+    newest when pruning.
 
     Raises UserError when checkpoints exist but none loads (then none is renamed).
     """
@@ -175,9 +176,13 @@ def newest_loadable(out_dir, warn):
             damaged.append((path, e))
             continue
         for bad, _ in damaged:
+            aside, n = bad.with_name(bad.name + ".damaged"), 1
+            while aside.exists():  # set aside before, at the same step
+                n += 1
+                aside = bad.with_name(f"{bad.name}.damaged{n}")
             try:
-                os.replace(bad, bad.with_name(bad.name + ".damaged"))
-                warn(f"warning: set {bad} aside as {bad.name}.damaged")
+                os.replace(bad, aside)
+                warn(f"warning: set {bad} aside as {aside.name}")
             except OSError as e:
                 warn(f"warning: cannot rename {bad} ({e.strerror}): remove it by hand")
         return path, state

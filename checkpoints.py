@@ -10,6 +10,7 @@ makes the ranks agree on the outcome.
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -30,9 +31,10 @@ def path_of(out_dir, step):
 
 
 def atomic_write(path, write):
-    """Calls write(f) on a temp file beside `path`, fsyncs it, then renames it onto `path`: a
-    process killed at any moment leaves either the old file or the new one, never a part. On an
-    error (disk full...) the temp file is removed and the error raised."""
+    """Calls write(f) on a temp file beside `path`, fsyncs it, then renames it onto `path` and
+    fsyncs the directory: a process killed (or a machine that loses power) at any moment leaves
+    either the old file or the new one, never a part. On an error (disk full...) the temp file is
+    removed and the error raised."""
     tmp = Path(path).with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -43,6 +45,20 @@ def atomic_write(path, write):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if hasattr(os, "O_DIRECTORY"):  # the rename itself is durable only once its directory is
+        fd = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove(path):
+    """Deletes a file; a failure (permissions, a read-only mount) is a warning, not the run's end."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError as e:
+        print(f"warning: cannot delete {path}: {e.strerror}", flush=True)
 
 
 def lock(out_dir):
@@ -51,6 +67,8 @@ def lock(out_dir):
     Keep the returned file open for as long as the run lasts.
 
     Raises UserError when out_dir cannot be made or written, or another process holds the lock.
+    A filesystem without flock (NFS without lockd, Lustre mounted noflock) gets a warning and no
+    lock.
     """
     out_dir = Path(out_dir)
     try:
@@ -68,8 +86,11 @@ def lock(out_dir):
             f.close()
             raise UserError(f"out_dir {out_dir} is in use by another run ({holder}); wait for it to "
                             f"end, or pass another --out_dir") from None
+        except OSError as e:
+            print(f"warning: cannot lock out_dir {out_dir} ({e.strerror}): nothing stops a second "
+                  f"run from using it", flush=True)
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
 
@@ -110,6 +131,17 @@ def tensors(obj):
             yield from tensors(value)
 
 
+def to_cpu(obj):
+    """obj (nested dicts and lists) with every tensor on the CPU."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(value) for value in obj)
+    return obj
+
+
 def save(path, state):
     """Writes state (a dict of KEYS) and its sha256 to `path` atomically.
 
@@ -117,11 +149,15 @@ def save(path, state):
     (a run that diverged: its checkpoint would be worth less than the last one), or when the write
     fails (disk full, permissions: the temp file is removed, every older checkpoint kept).
     """
-    state = {key: state[key] for key in KEYS}
-    if not all(bool(torch.isfinite(t).all()) for t in tensors(state) if t.is_floating_point()):
+    floats = {}  # by device: one host sync per device, not per tensor
+    for t in tensors(state):
+        if t.is_floating_point():
+            floats.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if not all(bool(torch.stack(flags).all()) for flags in floats.values()):
         raise UserError(f"the weights or optimizer state hold non-finite values at step "
                         f"{state['step']}, so {path} was not saved and the last checkpoint is "
                         f"kept: the run diverged; lower --max_lr or --grad_clip and resume")
+    state = to_cpu({key: state[key] for key in KEYS})  # once, for the checksum and the write
     state["sha256"] = sha256(state)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
@@ -198,15 +234,15 @@ def prune(out_dir, keep, protected):
     if keep > 0:
         for old in sorted(Path(out_dir).glob(PATTERN))[:-keep]:
             if old not in protected:
-                old.unlink(missing_ok=True)
+                remove(old)
 
 
 class OutDir:
     """Rank 0's hold on a run's out_dir: its lock (taken at once), log.jsonl and checkpoints.
 
-    With `overwrite` (resume=never over old checkpoints) nothing old is touched until the run's
-    first checkpoint is saved: till then log records wait in memory (steps after the last
-    checkpoint are run again on resume anyway), and a run that fails early leaves all as it was.
+    With `overwrite` (resume=never over old checkpoints) nothing old is deleted until the run's
+    first checkpoint is saved: till then the old log waits as log.jsonl.old, and a run that ends
+    before (an error, a kill) leaves the old checkpoints, whose log the next run puts back.
     Raises UserError as lock() does.
     """
 
@@ -214,15 +250,15 @@ class OutDir:
         self.path = Path(path)
         self.lock = lock(self.path)
         self.log_path = self.path / "log.jsonl"
-        self.held = None  # log records waiting for the first checkpoint, with overwrite
-        self.overwrite = []  # old checkpoints to delete once the first new one is saved
+        self.old_log = self.path / "log.jsonl.old"
+        self.overwrite = None  # with overwrite: the old checkpoints, deleted at the first save
         self.protected = set()
 
     def start(self, start_step, resumed_from, overwrite):
-        """Before the first step: removes temp files of killed saves and drops the records of
+        """Before the first step: removes temp files of killed saves; then drops the records of
         steps >= start_step from log.jsonl (a killed run logged them after its last checkpoint;
-        they run again), and any damaged line; or, with `overwrite` (a list of checkpoints),
-        holds back. The checkpoint resumed from is never pruned by this run.
+        they run again) and any damaged line, or, with `overwrite` (a list of checkpoints), sets
+        the log aside. The checkpoint resumed from is never pruned by this run.
 
         Raises UserError when out_dir cannot be written.
         """
@@ -230,8 +266,12 @@ class OutDir:
         try:
             for stale in self.path.glob("*.tmp"):
                 stale.unlink()
+            if self.old_log.exists():  # an overwrite ended before its first checkpoint
+                os.replace(self.old_log, self.log_path)
             if overwrite:
-                self.overwrite, self.held = list(overwrite), []
+                self.overwrite = list(overwrite)
+                if self.log_path.exists():
+                    os.replace(self.log_path, self.old_log)
                 return
             lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
             kept = []
@@ -241,19 +281,13 @@ class OutDir:
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     continue  # cut by a kill, or damaged: it cannot be plotted either
-            self.write_log(kept)
+            atomic_write(self.log_path, lambda f: f.write("".join(x + "\n" for x in kept).encode()))
         except OSError as e:
             raise UserError(f"cannot write to out_dir {self.path}: {e.strerror}; pass a writable "
                             f"--out_dir") from None
 
-    def write_log(self, lines):
-        atomic_write(self.log_path, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
-
     def log(self, record):
-        """Appends record to log.jsonl (or holds it, see the class)."""
-        if self.held is not None:
-            self.held.append(json.dumps(record))
-            return
+        """Appends record (a dict) to log.jsonl as one JSON line."""
         try:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -268,14 +302,11 @@ class OutDir:
         """
         path = path_of(self.path, step)
         save(path, state)
-        if self.held is not None:
-            try:
-                self.write_log(self.held)
-            except OSError as e:
-                raise UserError(f"cannot write {self.log_path}: {e.strerror}") from None
+        if self.overwrite is not None:
             for old in self.overwrite:
                 if old != path:  # the new checkpoint may have an old one's name
-                    old.unlink(missing_ok=True)
-            self.held, self.overwrite = None, []
+                    remove(old)
+            remove(self.old_log)
+            self.overwrite = None
         prune(self.path, keep, self.protected | {path})
         return path

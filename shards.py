@@ -52,9 +52,10 @@ def split_paths(data_dir, split, dataset=""):
     data_dir = Path(data_dir)
     if dataset:
         return sorted(data_dir.glob(f"{glob.escape(dataset)}_{split}_*.bin"))
-    names = {p.name.rsplit(f"_{s}_", 1)[0] for s in ("train", "val") for p in data_dir.glob(f"*_{s}_*.bin")}
+    names = sorted({p.name.rsplit(f"_{s}_", 1)[0]
+                    for s in ("train", "val") for p in data_dir.glob(f"*_{s}_*.bin")})
     if len(names) > 1:
-        raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(sorted(names))}): "
+        raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(names)}): "
                         f"pass --dataset=NAME to train on one, or move the others out")
     return sorted(data_dir.glob(f"*_{split}_*.bin"))
 
@@ -64,10 +65,11 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
 
     Taken from prepare_data.py's manifests in the shards' directory (an entry counts when a file
     of its name and size is there), else from `cache_path` (a JSON file in out_dir: data_dir may be
-    read-only) when a shard's size and mtime are unchanged, else by reading the shard: the ranks
-    split that work, with progress on rank 0, and rank 0 adds the results to the cache, so a long
-    run's restarts do not read 10B tokens again. reduce_max(list of ints) is a collective that
-    every rank calls once: the element-wise maximum over ranks.
+    read-only) when a shard's size and mtime are unchanged, else by reading the shard: shard i is
+    rank i % world_size's to read when that rank does not know it, with progress on rank 0, and
+    rank 0 adds the results to the cache, so a long run's restarts do not read 10B tokens again.
+    reduce_max(list of ints) is a collective that every rank calls once: the element-wise maximum
+    over ranks, so a value any rank knows or read counts, even where nodes see other caches.
     """
     known = {}
     for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
@@ -87,11 +89,12 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
         if path in known:
             continue
         stat, entry = path.stat(), cache.get(str(path.resolve()), {})
-        if entry.get("bytes") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+        if (entry.get("bytes"), entry.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns) \
+                and entry.get("max_token_id", -1) >= 0:
             known[path] = entry["max_token_id"]
         else:
             todo.append(path)
-    mine = todo[rank::world_size]
+    mine = [p for i, p in enumerate(paths) if i % world_size == rank and p in todo]
     scanned = {}
     with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
               desc="checking token ids", disable=rank != 0, delay=1) as progress:

@@ -443,9 +443,9 @@ class ZeRO2AdamW:
     as autograd has finished it, so communication overlaps the rest of the backward.
     clip_grad_norm() waits on them in the order the backward made them and clips by the norm of
     the full gradient (summed over ranks); step() updates the slices with torch.optim.AdamW (the
-    same arithmetic as ddp mode) and all-gathers the new slices into every rank's full parameters. With `exact`, the
-    micro-steps' gradients are summed in float64 and reduce-scattered as float64 sums (see
-    DDPMode), then cast to float32 once.
+    same arithmetic as ddp mode) and all-gathers the new slices into every rank's full
+    parameters. With `exact`, the micro-steps' gradients are summed in float64 and
+    reduce-scattered as float64 sums (see DDPMode), then cast to float32 once.
 
     state_dict()/load_state_dict() use the full, unsharded state in torch.optim.AdamW's format,
     so a checkpoint resumes at any world size. Both are collectives: every rank calls them.
@@ -559,7 +559,8 @@ class DDPMode:
 
     Every mode gives the loop `model` (to run), `optimizer` (whose lr the schedule sets),
     set_grad_sync(sync) before each micro-step's forward, clip_grad_norm(max_norm) after the last
-    backward then step() unless the loop skips the update, and state_dict()/load_state_dict() of the full, unsharded model and optimizer.
+    backward, then step() unless the loop skips the update, and state_dict()/load_state_dict()
+    of the full, unsharded model and optimizer.
 
     exact_reduction: a post-accumulate-grad hook adds each micro-step's gradient into a float64
     sum; on the syncing micro-step a comm hook sums those over ranks in float64 and casts to
@@ -942,7 +943,7 @@ def train(config, rank, world_size, master_process, device):
         from gpt2_weights import pretrained
         # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
         resuming = config.resume == "auto" and bool(existing)
-        config, pretrained_state = pretrained(config, weights=not resuming)
+        config, pretrained_state = agreed(lambda: pretrained(config, weights=not resuming))
         log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     enc = gpt2_encoding()
     # an empty prompt starts from <|endoftext|>, as GPT-2's unconditional samples
@@ -954,8 +955,10 @@ def train(config, rank, world_size, master_process, device):
     if config.hellaswag_interval > 0:
         import hellaswag
         hellaswag_examples = hellaswag.examples_for_training(config, master_process)
-    train_loader, val_loader = (DataLoader(config.data_dir, split, B, T, rank, world_size, device,
-                                           config.vocab_size, config.dataset) for split in ("train", "val"))
+    # agreed: a data_dir missing on one node stops every rank at once
+    train_loader, val_loader = agreed(lambda: [
+        DataLoader(config.data_dir, split, B, T, rank, world_size, device, config.vocab_size,
+                   config.dataset) for split in ("train", "val")])
     for loader in (train_loader, val_loader):
         loader.check_token_ids(out_dir / "token_ids.json", lambda values: all_reduce_max(values, device))
 
@@ -1007,7 +1010,8 @@ def train(config, rank, world_size, master_process, device):
         state = {"model": model_state, "optimizer": optimizer_state,
                  "config": dataclasses.asdict(config), "step": step,
                  "loader": train_loader.state_dict()}
-        log(f"saved {agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)}")
+        path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
+        log(f"saved {path}")
 
     def evaluate():
         """Mean loss over the first val_batches micro-batches of the val split, whatever world_size."""
@@ -1032,9 +1036,9 @@ def train(config, rank, world_size, master_process, device):
         raw_model.eval()
         idx = torch.tensor([prompt], device=device)
         generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
-        out = torch.cat([idx, *raw_model.generate(idx, config.sample_tokens, generator)], dim=1)
+        tokens = torch.cat([idx, *raw_model.generate(idx, config.sample_tokens, generator)], dim=1)
         raw_model.train()
-        log(f"sample at step {step}: {enc.decode(out[0].tolist())!r}")
+        log(f"sample at step {step}: {enc.decode(tokens[0].tolist())!r}")
 
     def every(interval, step):
         return interval > 0 and (step % interval == 0 or step == config.max_steps - 1)
@@ -1052,6 +1056,7 @@ def train(config, rank, world_size, master_process, device):
     # Training loop
     dt_avg = 0.0  # seconds per step, for the ETA
     skipped = 0  # steps in a row whose update was skipped
+    last_saved = start_step  # the step of out_dir's newest checkpoint, 0 for none
     stop, stop_signals = False, catch_stop_signals()
     stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
     for step in range(start_step, config.max_steps):
@@ -1112,7 +1117,9 @@ def train(config, rank, world_size, master_process, device):
         dt = time.time() - t0
         tokens_per_sec = config.total_batch_size / dt
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm,
-                  "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec, **({} if finite else {"skipped": True})}
+                  "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec}
+        if not finite:
+            record["skipped"] = True
         if peak:
             record["mfu"] = flops_per_step / dt / (peak * world_size)
         if device.type == "cuda":
@@ -1132,20 +1139,23 @@ def train(config, rank, world_size, master_process, device):
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
             raise UserError(
                 f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} "
-                f"(loss {loss_value}, grad norm {norm}): the run diverged; their updates were "
-                f"skipped and not saved. Lower --max_lr (now {config.max_lr}) or look for bad data "
-                f"in those steps, and rerun to resume (the newest checkpoints may hold the start "
-                f"of the divergence: move them out of {config.out_dir} to resume from an older one)")
+                f"(loss {loss_value}, grad norm {norm}): the run diverged; those updates were "
+                f"skipped. Lower --max_lr (now {config.max_lr}) or look for bad data in those "
+                f"steps, and rerun to resume from the newest checkpoint "
+                + (f"(step {last_saved}" if last_saved else "(none yet")
+                + f"), or move the newest out of {config.out_dir} to resume from before the "
+                f"divergence began")
         stop = stop > 0
-        # not after a skipped update: those weights gave a non-finite loss
-        if not skipped and (stop or step + 1 == config.max_steps or (
-                config.checkpoint_interval > 0 and (step + 1) % config.checkpoint_interval == 0)):
+        # a stop or the last step always saves (a skipped update left the weights as they were);
+        # the interval does not during a run of skipped updates, which may be a divergence
+        if stop or step + 1 == config.max_steps or (not skipped and config.checkpoint_interval > 0
+                                                    and (step + 1) % config.checkpoint_interval == 0):
             save_checkpoint(step + 1)
+            last_saved = step + 1
         if stop:
             signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
-            log(f"stopped by {signal.Signals(signum).name} after step {step}: "
-                + ("" if skipped else f"the checkpoint of step {step + 1} is saved; ")
-                + "rerun the same command to resume")
+            log(f"stopped by {signal.Signals(signum).name} after step {step}: the checkpoint of "
+                f"step {step + 1} is saved; rerun the same command to resume")
             break
     if profiler:
         profiler.stop()

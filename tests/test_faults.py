@@ -345,13 +345,15 @@ def all_finite(path):
 
 def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpoint(good_run, tmp_path):
     """lr 1e30 blows the weights up at step 4; from step 5 the loss is nan. Those updates are
-    skipped and logged as such, nothing is saved after a skipped update, and after 3 in a row
-    the run ends in one line; the checkpoint it resumed from is kept whatever keep_checkpoints
-    says, and no checkpoint holds a non-finite value."""
+    skipped and logged as such, the interval saves wait, and after 3 in a row the run ends in one
+    line; the checkpoint it resumed from is kept whatever keep_checkpoints says, and no checkpoint
+    holds a non-finite value."""
     out, before = copy_run(good_run, tmp_path)
     err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
                       "--max_steps=20", "--max_lr=1e30", "--checkpoint_interval=1", "--keep_checkpoints=1")
-    assert "the loss or gradient norm was not finite in steps 5-7 (loss nan, grad norm nan)" in err
+    assert ("the loss or gradient norm was not finite in steps 5-7 (loss nan, grad norm nan): the "
+            "run diverged; those updates were skipped. Lower --max_lr (now 1e+30) or look for bad "
+            "data in those steps, and rerun to resume from the newest checkpoint (step 5)") in err
     assert (out / "ckpt_0000004.pt").read_bytes() == before["ckpt_0000004.pt"]
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000004.pt", "ckpt_0000005.pt"]
     assert all(all_finite(p) for p in out.glob("ckpt_*.pt"))
@@ -435,6 +437,15 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
         path.rename(data / path.name.replace("tiny", "other"))
     err = train_error(*never, f"--data_dir={data}")
     assert f"{data} holds the shards of 2 datasets (other, tiny): pass --dataset=NAME" in err
+    # a run that fails after it began (diverged) leaves the old log aside, which the next run with
+    # resume=auto puts back, resuming from the old checkpoints
+    err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", "--max_lr=1e30", "--max_steps=20")
+    assert "the loss or gradient norm was not finite in steps 1-3" in err
+    assert {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")} == before
+    assert (out / "log.jsonl.old").read_text() == log_before
+    run_training([*SMALL, f"--data_dir={data}", "--dataset=tiny", f"--out_dir={out}", "--max_steps=5"])
+    assert [s["step"] for s in read_log(out)[0]] == list(range(5)) and not (out / "log.jsonl.old").exists()
+
     sample = ["--sample_interval=1", "--sample_prompt=", "--sample_tokens=4"]
     err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", *sample)
     assert "sample_prompt '' has GPT-2 token id 50256, beyond vocab_size=512" in err
@@ -443,7 +454,7 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
                          "--vocab_size=50304", *sample])
     assert "sample at step 1: '<|endoftext|>" in proc.stdout
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
-    assert [s["step"] for s in read_log(out)[0]] == [0, 1]
+    assert [s["step"] for s in read_log(out)[0]] == [0, 1] and not (out / "log.jsonl.old").exists()
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(good_run, tmp_path):
@@ -464,3 +475,18 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(g
     assert {p.name: p.read_bytes() for p in out.glob("ckpt_*")} == before
     assert not list(out.glob("*.tmp"))
     assert f"resumed from {out}/ckpt_0000004.pt at step 4" in run_training(args).stdout
+
+
+def test_a_filesystem_without_flock_gets_a_warning_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """flock fails with ENOLCK on NFS without lockd (ENOSYS on Lustre mounted noflock): the run
+    goes on unlocked and says so."""
+    import errno
+    import fcntl
+    import checkpoints
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    checkpoints.lock(tmp_path / "out").close()
+    assert f"warning: cannot lock out_dir {tmp_path / 'out'} (No locks available)" in capsys.readouterr().out

@@ -343,6 +343,7 @@ def all_finite(path):
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+@pytest.mark.compat
 def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpoint(good_run, tmp_path):
     """lr 1e30 blows the weights up at step 4; from step 5 the loss is nan. Those updates are
     skipped and logged as such, the interval saves wait, and after 3 in a row the run ends in one
@@ -361,6 +362,7 @@ def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpo
     assert [s["step"] for s in steps if s.get("skipped")] == [5, 6, 7]
 
 
+@pytest.mark.compat
 def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(good_run, tmp_path):
     """1 KB overwritten in the tensor data of the newest checkpoint (it loads, but fails its
     checksum), and a newer zip that is not a checkpoint of ours: both are named, set aside as

@@ -2,9 +2,9 @@
 The shards of a data_dir as train_gpt2.py reads them: which files form a split, their headers, and
 whether every token id fits the model's vocabulary, known before the first step.
 
-The format is llm.c's .bin, which prepare_data.py writes: 256 little-endian int32 (magic 20240520,
-version 1, token count), then the tokens as little-endian uint16. Shards are named
-{dataset}_{split}_{index:06d}.bin.
+The format is llm.c's .bin, which prepare_data.py writes (and defines: SHARD_MAGIC and the rest
+come from there): 256 little-endian int32 (magic 20240520, version 1, token count), then the
+tokens as little-endian uint16. Shards are named {dataset}_{split}_{index:06d}.bin.
 """
 
 import glob
@@ -17,9 +17,8 @@ from tqdm import tqdm
 
 from checkpoints import atomic_write
 from configurator import UserError
+from prepare_data import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION
 
-SHARD_MAGIC = 20240520
-HEADER_INTS = 256
 FIX = "remake the shards with `python prepare_data.py --overwrite` (see README)"
 
 
@@ -32,9 +31,9 @@ def read_shard_header(path):
     if size < HEADER_INTS * 4:
         raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    if header[0] != SHARD_MAGIC or header[1] != 1:
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
         raise UserError(f"shard {path} has a bad header (magic {header[0]}, version {header[1]}, "
-                        f"expected {SHARD_MAGIC}, 1): not a token shard; {FIX}")
+                        f"expected {SHARD_MAGIC}, {SHARD_VERSION}): not a token shard; {FIX}")
     n_tokens = int(header[2])
     if size != HEADER_INTS * 4 + 2 * n_tokens:
         raise UserError(f"shard {path} holds {(size - HEADER_INTS * 4) // 2} tokens but its header "

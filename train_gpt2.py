@@ -1084,7 +1084,7 @@ def train(config, rank, world_size, master_process, device):
             # as backward, so it is set before the forward (build-nanogpt #30)
             mode.set_grad_sync(last_micro_step)
             m = micro_step * world_size + rank  # this micro-batch's number within the step
-            # dropout masks depend on (seed, step, m) alone, so on no world size (PITFALLS.md)
+            # dropout masks depend on (seed, step, m) alone, so on no world size
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     record_function("forward_backward_sync" if last_micro_step else "forward_backward"):
                 torch.manual_seed(derived_seed(config.seed, step, m))

@@ -299,7 +299,7 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     Default mode (no exact_reduction): float32 sums in another order, so a tolerance; measured
     differences are ~1e-7 relative. The test model has no biases: the key bias of c_attn has a
     gradient that is 0 in exact arithmetic, so its float noise, scaled by AdamW up to +-lr, would
-    differ between the runs without changing any output (PITFALLS.md).
+    differ between the runs without changing any output (softmax ignores a shift of the keys).
     """
     common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=6",
               "--bias=false"]

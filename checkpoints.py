@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from atomic import atomic_write
 from configurator import UserError
 
 try:
@@ -28,29 +29,6 @@ PATTERN = "ckpt_*.pt"
 
 def path_of(out_dir, step):
     return Path(out_dir) / f"ckpt_{step:07d}.pt"
-
-
-def atomic_write(path, write):
-    """Calls write(f) on a temp file beside `path`, fsyncs it, then renames it onto `path` and
-    fsyncs the directory: a process killed (or a machine that loses power) at any moment leaves
-    either the old file or the new one, never a part. On an error (disk full...) the temp file is
-    removed and the error raised."""
-    tmp = Path(path).with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # the rename itself is durable only once its directory is
-        fd = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def remove(path):

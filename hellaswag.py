@@ -18,7 +18,6 @@ data/hellaswag/ when missing.
 import argparse
 import json
 import math
-import os
 import urllib.request
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from atomic import atomic_write
 from prepare_data import gpt2_encoding
 import configurator
 from configurator import UserError
@@ -37,30 +37,33 @@ GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, t
 
 
 def download(path):
-    """Downloads the validation split to `path` (temp file, then rename) with a progress bar, and
-    checks it holds VAL_EXAMPLES lines. Raises UserError when the download fails, offline say,
-    naming the URL and where to put the file by hand."""
+    """Downloads the validation split to `path` (atomic_write) with a progress bar, and checks
+    it holds VAL_EXAMPLES lines. Raises UserError when the download fails, offline say, naming
+    the URL and where to put the file by hand."""
     from tqdm import tqdm
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with urllib.request.urlopen(URL, timeout=30) as response, open(tmp, "wb") as f:
+
+    def write(f):
+        with urllib.request.urlopen(URL, timeout=30) as response:
             total = int(response.headers.get("Content-Length", 0)) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {path.name}") as bar:
+                chunks = []  # about 11 MB
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
+                    chunks.append(chunk)
+        lines = sum(1 for line in b"".join(chunks).splitlines() if line.strip())
+        if lines != VAL_EXAMPLES:
+            raise UserError(f"{URL} gave {lines} lines, not the {VAL_EXAMPLES} examples of "
+                            f"HellaSwag's validation split: try again, or download it by hand to "
+                            f"{path}")
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, write)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"{path} is missing and downloading it from {URL} failed ({e}); download "
                         f"that file on a machine with a network and put it at {path}") from e
-    lines = sum(1 for line in tmp.read_bytes().splitlines() if line.strip())
-    if lines != VAL_EXAMPLES:
-        tmp.unlink()
-        raise UserError(f"{URL} gave {lines} lines, not the {VAL_EXAMPLES} examples of HellaSwag's "
-                        f"validation split: try again, or download it by hand to {path}")
-    os.replace(tmp, path)
 
 
 def load_examples(path, limit=0):

@@ -53,6 +53,9 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
+from atomic import atomic_write
+from shards import MAX_SHARD_TOKENS, write_shard
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -60,11 +63,6 @@ GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT_TOKEN = 50256
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
-
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 256
-MAX_SHARD_TOKENS = 2**31 - 1  # the token count is stored in an int32 header field
 
 # which `datasets` builder reads each file extension, and how
 BUILDERS = {
@@ -102,42 +100,6 @@ def gpt2_encoding():
         special_tokens={"<|endoftext|>": EOT_TOKEN},
         explicit_n_vocab=50257,
     )
-
-
-def write_shard(path, tokens):
-    """Write tokens to `path` as one llm.c .bin shard, atomically.
-
-    tokens: 1-D array-like of ints in [0, 65535], stored as little-endian uint16 after a
-    header of HEADER_INTS little-endian int32 (magic, version, token count, zeros).
-    The data goes to `path + ".tmp"` first and is renamed into place once on disk, so a
-    killed run never leaves a truncated .bin behind. Raises ValueError for tokens that
-    are not a 1-D integer sequence in uint16 range.
-    """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-    if tokens.dtype != np.uint16 and tokens.size:
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi > 65535:
-            raise ValueError(f"tokens must be in [0, 65535] to fit in uint16, got range [{lo}, {hi}]")
-    if len(tokens) > MAX_SHARD_TOKENS:
-        raise ValueError(f"a shard holds at most {MAX_SHARD_TOKENS} tokens, got {len(tokens)}")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    tmp_path = f"{path}.tmp"
-    try:
-        with open(tmp_path, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype("<u2", copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
 
 
 PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
@@ -513,9 +475,7 @@ def _write_manifest(path, source, shards):
     in file-name order and their overall "max_token_id" (see the module docstring)."""
     shards = sorted(shards, key=lambda shard: shard["file"])
     manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
 
 
 def _write_shards(args, sources, what, name, staging):

@@ -1,10 +1,11 @@
 """
-The shards of a data_dir as train_gpt2.py reads them: which files form a split, their headers, and
-whether every token id fits the model's vocabulary, known before the first step.
+Token shards: the file format (written by prepare_data.py, read by train_gpt2.py's DataLoader),
+which files form a split of a data_dir, and whether every token id fits the model's vocabulary,
+known before the first step.
 
-The format is llm.c's .bin, which prepare_data.py writes (and defines: SHARD_MAGIC and the rest
-come from there): 256 little-endian int32 (magic 20240520, version 1, token count), then the
-tokens as little-endian uint16. Shards are named {dataset}_{split}_{index:06d}.bin.
+The format is llm.c's .bin (also read by modded-nanogpt): 256 little-endian int32 (magic 20240520,
+version 1, token count, zeros), then the tokens as little-endian uint16. Shards are named
+{dataset}_{split}_{index:06d}.bin. Another format is a change to this module alone.
 """
 
 import glob
@@ -15,11 +16,48 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from checkpoints import atomic_write
+from atomic import atomic_write
 from configurator import UserError
-from prepare_data import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION
 
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+MAX_SHARD_TOKENS = 2**31 - 1  # the token count is stored in an int32 header field
 FIX = "remake the shards with `python prepare_data.py --overwrite` (see README)"
+
+
+def write_shard(path, tokens):
+    """Write tokens to `path` as one llm.c .bin shard, atomically.
+
+    tokens: 1-D array-like of ints in [0, 65535], stored as little-endian uint16 after a
+    header of HEADER_INTS little-endian int32 (magic, version, token count, zeros).
+    Written through atomic_write, so a killed run never leaves a truncated .bin behind. Raises
+    ValueError for tokens that are not a 1-D integer sequence in uint16 range.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype != np.uint16 and tokens.size:
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi > 65535:
+            raise ValueError(f"tokens must be in [0, 65535] to fit in uint16, got range [{lo}, {hi}]")
+    if len(tokens) > MAX_SHARD_TOKENS:
+        raise ValueError(f"a shard holds at most {MAX_SHARD_TOKENS} tokens, got {len(tokens)}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2", copy=False).tobytes())
+
+    atomic_write(path, write)
+
+
+def read_tokens(path):
+    """The tokens of a shard, memory-mapped read-only: a (N,) little-endian uint16 array."""
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4)
 
 
 def read_shard_header(path):
@@ -98,10 +136,10 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
               desc="checking token ids", disable=rank != 0, delay=1) as progress:
         for path in mine:
-            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4)
+            ids = read_tokens(path)
             largest = 0
-            for start in range(0, len(tokens), 1 << 24):
-                chunk = tokens[start:start + (1 << 24)]
+            for start in range(0, len(ids), 1 << 24):
+                chunk = ids[start:start + (1 << 24)]
                 largest = max(largest, int(chunk.max()))
                 progress.update(len(chunk))
             scanned[path] = largest

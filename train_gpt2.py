@@ -52,7 +52,7 @@ import checkpoints
 import configurator
 import memory_plan
 from configurator import UserError
-from shards import HEADER_INTS, max_token_ids, read_shard_header, split_paths
+from shards import max_token_ids, read_shard_header, read_tokens, split_paths
 from prepare_data import EOT_TOKEN, gpt2_encoding  # GPT-2's tokenizer, offline, for samples
 
 # -----------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class DataLoader:
             i = int(np.searchsorted(self.starts, start, side="right")) - 1
             offset = start - int(self.starts[i])
             take = min(n, int(self.starts[i + 1]) - start)
-            shard = np.memmap(self.paths[i], dtype="<u2", mode="r", offset=HEADER_INTS * 4)
+            shard = read_tokens(self.paths[i])
             out.append(np.array(shard[offset:offset + take], dtype=np.int64))
             start, n = start + take, n - take
         return np.concatenate(out)

@@ -5,7 +5,7 @@ Host memory and speed of train_gpt2.DataLoader as the shards grow: its memory sh
     python scripts/bench_loader.py --sizes 1e6 1e8 --batches 500 --tmp-dir /mnt/scratch
 
 For each size it writes one val and one train shard of random GPT-2 token ids with
-prepare_data.write_shard into a temp dir under --tmp-dir, then, in a fresh Python process (so
+shards.write_shard into a temp dir under --tmp-dir, then, in a fresh Python process (so
 that the peak RSS of one size does not carry over to the next), builds the loader on the train
 split (device cpu) and reads --batches micro-batches of B x T, spread evenly over the whole
 shard, with next_batch(). It reports the peak RSS (VmHWM, see peak_rss_mb) before the loader
@@ -79,7 +79,7 @@ def main(argv=None):
         print(json.dumps(measure(args.measure, B, T, args.batches)))
         return
 
-    from prepare_data import write_shard
+    from shards import write_shard
 
     rng = np.random.default_rng(0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_", dir=args.tmp_dir))

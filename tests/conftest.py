@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from check_equivalence import compare  # noqa: E402
-from prepare_data import write_shard  # noqa: E402
+from shards import write_shard  # noqa: E402
 
 
 def pytest_configure(config):

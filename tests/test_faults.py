@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, make_shards, read_log, run_training
-from prepare_data import write_shard
+from shards import write_shard
 
 STEPS = 40
 # 8 micro-batches of 32 tokens per step; checkpoints every 5 steps; exact_reduction, so that runs

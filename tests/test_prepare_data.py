@@ -10,16 +10,8 @@ import pandas as pd
 import pytest
 
 import prepare_data
-from prepare_data import (
-    EOT_TOKEN,
-    HEADER_INTS,
-    SHARD_MAGIC,
-    SHARD_VERSION,
-    TINYSHAKESPEARE_PATH,
-    gpt2_encoding,
-    main,
-    write_shard,
-)
+from prepare_data import EOT_TOKEN, TINYSHAKESPEARE_PATH, gpt2_encoding, main
+from shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
 
 
 def read_shard(path):

@@ -12,7 +12,7 @@ from torch.distributed.run import get_args_parser
 
 import train_gpt2
 from conftest import ROOT, TINY, make_shards, read_log, run_training
-from prepare_data import write_shard
+from shards import write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
 
 

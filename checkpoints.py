@@ -149,6 +149,20 @@ def save(path, state):
                         f"rerun to resume") from None
 
 
+def resolve(source):
+    """The checkpoint file that `source` names: itself, or the newest ckpt_*.pt of an out_dir; None
+    for a Hugging Face directory (it holds config.json) or what is no path (a hub name). Raises
+    UserError for a directory holding neither."""
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob(PATTERN))
+        if not found:
+            raise UserError(f"{path} holds neither checkpoints (ckpt_*.pt) nor a Hugging Face "
+                            f"config.json")
+        return found[-1]
+    return path if path.is_file() else None
+
+
 class Unloadable(Exception):
     """A checkpoint that cannot be read, is not one of train_gpt2.py's, or fails its checksum."""
 

@@ -1,7 +1,8 @@
 """
-GPT-2 weights in and out: Hugging Face GPT-2 checkpoints (OpenAI's released weights on the hub, or
-a local directory) into train_gpt2.py's model, and our checkpoints out as Hugging Face directories
-that `transformers` loads offline, tokenizer included.
+GPT-2 weights in and out, as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's released weights
+on the hub, or a local directory) into the layout of train_gpt2.py's GPT, and its state dicts out
+as Hugging Face directories that `transformers` loads offline, tokenizer included. The model
+itself is not needed here: train_gpt2.GPT.from_pretrained and init_from call these.
 
     python scripts/export_hf.py out/shakespeare_cpu out/shakespeare_cpu_hf   # the command-line tool
     --init_from=gpt2 (or gpt2-medium, gpt2-large, gpt2-xl, or a directory): train_gpt2.py's key
@@ -11,7 +12,6 @@ modules, (in_features, out_features), the transpose of nn.Linear's; and its safe
 holds the tied wte/lm_head matrix once.
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,14 +19,12 @@ from pathlib import Path
 
 import torch
 
-import checkpoints
-from prepare_data import gpt2_encoding
 from configurator import UserError
-from train_gpt2 import GPT, Config
+from prepare_data import gpt2_encoding
 
 HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Hugging Face config field -> Config field, for the model's shape
+# Hugging Face config field -> train_gpt2.Config field, for the model's shape
 SHAPE_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
               "n_positions": "block_size", "vocab_size": "vocab_size"}
 
@@ -60,10 +58,11 @@ def hf_dir(source):
 def load_hf(source, weights=True):
     """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir).
 
-    Returns (shape, state_dict): shape maps Config's model keys (n_layer, n_head, n_embd,
+    Returns (shape, state_dict): shape maps train_gpt2.MODEL_KEYS (n_layer, n_head, n_embd,
     block_size, vocab_size, bias) to the checkpoint's values; state_dict is keyed and laid out as
     GPT.state_dict(), float32, or None without `weights` (config.json alone is read). Raises
-    UserError for a checkpoint that is not GPT-2's architecture.
+    UserError for a checkpoint that is not GPT-2's architecture; the caller checks the tensors'
+    shapes against its model (check_state).
     """
     from safetensors.torch import load_file
     path = hf_dir(source)
@@ -102,14 +101,12 @@ def load_hf(source, weights=True):
     lm_head = state.setdefault("lm_head.weight", wte)
     if wte is not None and not torch.equal(lm_head, wte):
         raise UserError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
-    check_state(state, Config(**shape), path / "model.safetensors")
     return shape, state
 
 
-def check_state(state, config, path):
-    """Raises UserError unless `state` holds exactly GPT(config)'s tensors, in their shapes."""
-    with torch.device("meta"):  # names and shapes without allocating or initializing weights
-        expected = GPT(config).state_dict()
+def check_state(state, expected, path):
+    """Raises UserError, naming `path`, unless `state` holds exactly the tensors of the state dict
+    `expected` (a model's, on the meta device, say), in their shapes."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
@@ -117,60 +114,8 @@ def check_state(state, config, path):
     if missing or unexpected or wrong:
         problems = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}"
                     if unexpected else "", f"shapes: {wrong[:2]}" if wrong else ""]
-        raise UserError(f"{path} does not hold a GPT-2 of config {config.n_layer} layers, "
-                        f"{config.n_embd} wide: {'; '.join(p for p in problems if p)}")
-
-
-def pretrained(config, weights=True):
-    """Resolves train_gpt2.py's `init_from` for a run of `config`.
-
-    Returns (config, state_dict): config with the checkpoint's model shape, and its weights (None
-    without `weights`: a run that resumes takes them from its own checkpoint).
-    The model keys a user leaves at their defaults take the checkpoint's values; one set to
-    another value than the checkpoint's is refused with UserError, as is seq_len > block_size.
-    """
-    shape, state = load_hf(config.init_from, weights)
-    defaults = Config()
-    conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
-                 if getattr(config, k) not in (v, getattr(defaults, k))]
-    if conflicts:
-        raise UserError(f"init_from={config.init_from} fixes the model's shape, but this run sets "
-                        f"{', '.join(conflicts)}: drop those keys from the config")
-    config = dataclasses.replace(config, **shape)
-    if config.seq_len > config.block_size:
-        raise UserError(f"seq_len={config.seq_len} exceeds init_from={config.init_from}'s "
-                        f"block_size={config.block_size}: pass --seq_len={config.block_size}")
-    return config, state
-
-
-def load_model(source, device="cpu"):
-    """A GPT in eval mode on `device`, from `source`: a checkpoint file of train_gpt2.py, an out_dir
-    (its latest ckpt_*.pt), a Hugging Face GPT-2 directory, or a hub name (gpt2, ..., gpt2-xl).
-
-    Returns (model, config). Raises UserError for a source that is none of these or cannot be read.
-    """
-    path = Path(source)
-    if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob(checkpoints.PATTERN))
-        if not found:
-            raise UserError(f"{path} holds neither checkpoints (ckpt_*.pt) nor a Hugging Face "
-                            f"config.json")
-        path = found[-1]
-    if path.is_file():
-        try:
-            ckpt = checkpoints.load(path)  # its checksum too
-        except checkpoints.Unloadable as e:
-            raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
-                            f"ckpt_*.pt of its out_dir") from None
-        fields = {f.name for f in dataclasses.fields(Config)}
-        config = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-        state = ckpt["model"]
-    else:
-        shape, state = load_hf(source)
-        config = Config(**shape)
-    model = GPT(config)
-    model.load_state_dict(state)
-    return model.to(device).eval(), config
+        raise UserError(f"{path} does not hold the GPT-2 this run builds: "
+                        f"{'; '.join(p for p in problems if p)}")
 
 
 def bytes_to_unicode():
@@ -227,8 +172,9 @@ def save_hf(model_state, config, out_dir):
     """Writes a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out_dir)` and
     `GPT2TokenizerFast.from_pretrained(out_dir)` load offline: config.json, model.safetensors
     (float32; Conv1D weights transposed; wte once, lm_head tied to it on load), vocab.json,
-    merges.txt and tokenizer_config.json. The vocabulary keeps config.vocab_size rows (50304 with
-    the padding), so logits are ours exactly. A model trained with bias=false gets zero biases.
+    merges.txt and tokenizer_config.json. model_state is a GPT's state dict and config its
+    train_gpt2.Config. The vocabulary keeps config.vocab_size rows (50304 with the padding), so
+    logits are ours exactly. A model trained with bias=false gets zero biases.
 
     Written to a temporary directory, then renamed: out_dir is whole or absent. Raises UserError
     if out_dir exists and is not an empty directory, or cannot be written (a read-only parent,
@@ -239,16 +185,15 @@ def save_hf(model_state, config, out_dir):
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} exists and is not an empty directory: remove it or pick "
                         f"another directory")
-    check_state(model_state, config, "the checkpoint")
     tensors = {}
-    with torch.device("meta"):
-        biased = GPT(dataclasses.replace(config, bias=True)).state_dict()
-    for key, like in biased.items():
+    for key, tensor in model_state.items():
         if key == "lm_head.weight":
             continue
-        tensor = model_state[key] if key in model_state else torch.zeros(like.shape)
         tensor = tensor.detach().float().cpu()
         tensors[key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
+    for key, tensor in model_state.items():  # bias=false: zero biases for the Linears and norms
+        if key.startswith(("transformer.h.", "transformer.ln_f.")) and key.endswith(".weight"):
+            tensors.setdefault(key.removesuffix("weight") + "bias", torch.zeros(tensor.shape[0]))
     hf_config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size,

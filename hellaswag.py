@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from atomic import atomic_write
+from collectives import agreed
 from prepare_data import gpt2_encoding
 import configurator
 from configurator import UserError
@@ -106,22 +107,13 @@ def load_examples(path, limit=0):
     return examples
 
 
-def examples_for_training(config, master_process):
+def examples_for_training(config):
     """train_gpt2.py's examples, rendered: the first config.hellaswag_examples (0: all) of
     config.hellaswag_path, which the master downloads first if it is missing while the other ranks
-    wait. Raises UserError as download(), load_examples() and render_all() do, on every rank."""
-    error = None
-    if master_process and not Path(config.hellaswag_path).exists():
-        try:
-            download(config.hellaswag_path)
-        except UserError as e:
-            error = str(e)
-    if dist.is_initialized():
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)  # a failed download stops every rank alike
-        error = shared[0]
-    if error:
-        raise UserError(error)
+    wait. Raises UserError as download(), load_examples() and render_all() do (a failed download
+    on every rank). A collective."""
+    path = Path(config.hellaswag_path)
+    agreed(lambda: path.exists() or download(path), master_only=True)  # a collective: every rank
     examples = load_examples(config.hellaswag_path, config.hellaswag_examples)
     return render_all(examples, config.block_size, config.vocab_size)
 
@@ -215,13 +207,13 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.examples < 0:
         parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")
-    from gpt2_weights import load_model
+    from train_gpt2 import GPT  # the model, here: train_gpt2.py imports this module
     if not Path(args.path).exists():
         download(args.path)
     examples = load_examples(args.path, args.examples)
-    model, config = load_model(args.source, args.device)
+    model = GPT.from_pretrained(args.source, args.device)
     torch.set_float32_matmul_precision("high")  # TF32, as build-nanogpt scored GPT-2
-    examples = render_all(examples, config.block_size, config.vocab_size)
+    examples = render_all(examples, model.config.block_size, model.config.vocab_size)
     result = evaluate(model, examples, torch.device(args.device))
     print(f"{args.source}: {summary(result)}")
     if args.source in GPT2_ACC_NORM:

@@ -24,6 +24,7 @@ import dataclasses
 import math
 
 import configurator
+from sharding import SHARDING_MODES
 
 GB = 2**30
 
@@ -41,7 +42,7 @@ def plan(config, world_size, device_type):
     """Bytes per rank, by part, of a training step of `config` on `world_size` ranks of
     `device_type` ("cuda": bf16 autocast; anything else: float32). Returns a dict of
     {part: bytes} whose last entry, "total", is their sum. The parts, for N parameters and
-    W = world_size:
+    W = world_size, and the sharding mode's properties (sharding.py):
       parameters: 4N float32 (fsdp: 4N/W); zero2 adds its 4N/W slices that AdamW updates;
         on CUDA the bf16 copies that autocast (ddp, zero2) or FSDP's all-gathers (fsdp: the root
         and two blocks at a time) keep for the backward;
@@ -56,24 +57,19 @@ def plan(config, world_size, device_type):
     L, V = config.n_layer, config.vocab_size
     cuda = device_type == "cuda"
     e = 2 if cuda else 4  # bytes per activation element
-    sharding = config.sharding
+    mode = SHARDING_MODES[config.sharding]
+    shard = W if mode.shards_parameters else 1
+    param_copies, grad_copies = mode.extra_copies(config, W)
     parts = {}
-    parts["parameters"] = 4 * N / (W if sharding == "fsdp" else 1)
-    if sharding == "zero2":
-        parts["parameters"] += 4 * N / W
-    if cuda:
+    parts["parameters"] = 4 * N / shard + 4 * N * param_copies
+    if cuda:  # bf16 weights: FSDP gathers the root and two blocks at a time, autocast casts all
         matmul = L * 12 * h * h + V * h
         parts["parameters"] += (2 * (V * h + config.block_size * h + 2 * 12 * h * h)
-                                if sharding == "fsdp" else 2 * matmul)
-    grads = 4 * N / (W if sharding == "fsdp" else 1)
-    if sharding == "ddp" and W > 1 and not config.gradient_as_bucket_view:
-        grads += 4 * N
-    if sharding == "zero2":
-        grads += 4 * N / W
+                                if mode.shards_parameters else 2 * matmul)
+    parts["gradients"] = 4 * N / shard + 4 * N * grad_copies
     if config.exact_reduction:
-        grads += 8 * N / (W if sharding == "fsdp" else 1)
-    parts["gradients"] = grads
-    parts["AdamW state"] = 8 * N / (W if sharding in ("zero2", "fsdp") else 1)
+        parts["gradients"] += 8 * N / shard
+    parts["AdamW state"] = 8 * N / (W if mode.shards_optimizer_state else 1)
     sbh = s * b * h
     masks = 2 if config.dropout > 0 else 0
     layer = sbh * (14 * e + 2 * 4 + masks)
@@ -177,7 +173,7 @@ def main(argv):
     print(f"\nlargest micro_batch_size in {args.gpu_memory:g} GB (90% usable), by sharding and "
           f"activation checkpointing:")
     print(f"{'sharding':<10}{'off':>8}{'on':>8}")
-    for sharding in ("ddp", "zero2", "fsdp"):
+    for sharding in SHARDING_MODES:
         fits = [max_micro_batch(dataclasses.replace(config, sharding=sharding,
                                                     activation_checkpointing=ckpt),
                                 args.world_size, args.device, args.gpu_memory * GB)

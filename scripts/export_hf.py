@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpt2_weights import load_model, save_hf  # noqa: E402
+from gpt2_weights import save_hf  # noqa: E402
+from train_gpt2 import GPT  # noqa: E402
 import configurator  # noqa: E402
 
 
@@ -27,7 +28,8 @@ def main(argv):
     parser.add_argument("checkpoint", help="a checkpoint file, or an out_dir (its latest checkpoint)")
     parser.add_argument("out_dir", help="the directory to write; must not exist or be empty")
     args = parser.parse_args(argv)
-    model, config = load_model(args.checkpoint)
+    model = GPT.from_pretrained(args.checkpoint)
+    config = model.config
     save_hf(model.state_dict(), config, args.out_dir)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.out_dir}: GPT-2 of {params / 1e6:.1f}M parameters, {config.n_layer} "

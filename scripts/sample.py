@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpt2_weights import load_model  # noqa: E402
 from prepare_data import EOT_TOKEN, gpt2_encoding  # noqa: E402
 import configurator  # noqa: E402
 from configurator import UserError  # noqa: E402
+from train_gpt2 import GPT  # noqa: E402
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):
@@ -72,7 +72,7 @@ def main(argv):
         except UnicodeDecodeError as e:
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
-    model, _ = load_model(args.source, args.device)
+    model = GPT.from_pretrained(args.source, args.device)
     enc = gpt2_encoding()
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     for i in range(args.num_samples):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import sharding  # noqa: E402
 import train_gpt2  # noqa: E402
 
 events, micro_losses = [], []
@@ -67,7 +68,7 @@ def recording_step(self, *args, **kwargs):
     return original_step(self, *args, **kwargs)
 
 
-train_gpt2.DDP = ProbedDDP
+sharding.DDP = ProbedDDP  # the modes wrap the model in DDP there
 train_gpt2.GPT.forward = recording_forward
 torch.optim.AdamW.step = recording_step
 try:

@@ -13,7 +13,7 @@ from transformers import GPT2LMHeadModel
 
 import hellaswag
 from conftest import ROOT, write_hellaswag
-from gpt2_weights import load_model
+from train_gpt2 import GPT
 from prepare_data import gpt2_encoding
 from configurator import UserError
 
@@ -59,7 +59,8 @@ def independent_scores(model, example):
 @pytest.mark.compat
 def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
     reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
-    model, config = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
+    config = model.config
     examples = hellaswag.load_examples(examples_file)
     assert len(examples) == 8
     correct_norm = correct = 0
@@ -82,7 +83,8 @@ def test_standalone_script_scores_a_model(hf_tiny, examples_file):
     proc = subprocess.run([sys.executable, "hellaswag.py", str(hf_tiny), "--path", str(examples_file),
                            "--examples", "5"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    model, config = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
+    config = model.config
     examples = hellaswag.render_all(hellaswag.load_examples(examples_file, 5), config.block_size,
                                     config.vocab_size)
     result = hellaswag.evaluate(model, examples, torch.device("cpu"))

@@ -11,7 +11,7 @@ import torch
 import plot
 from conftest import ROOT
 from configurator import UserError
-from gpt2_weights import load_model
+from train_gpt2 import GPT
 from prepare_data import gpt2_encoding
 from sample import main as sample_main, sample
 
@@ -25,7 +25,7 @@ def draw(model, seed, out=None, **kwargs):
 
 @pytest.mark.compat
 def test_the_same_seed_gives_the_same_text(hf_tiny):
-    model, _ = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
     assert draw(model, 1) == draw(model, 1)
     assert draw(model, 1) != draw(model, 2)
     assert draw(model, 1, top_k=0, temperature=0.7) == draw(model, 1, top_k=0, temperature=0.7)
@@ -34,7 +34,7 @@ def test_the_same_seed_gives_the_same_text(hf_tiny):
 
 
 def test_streamed_text_is_the_prompt_then_the_decoded_tokens(hf_tiny):
-    model, _ = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
     out = io.StringIO()
     tokens = draw(model, 4, out)
     expected = "Hello, I'm" + gpt2_encoding().decode_bytes(tokens).decode("utf-8", errors="replace")
@@ -46,7 +46,7 @@ def test_the_script_prints_what_the_function_draws(hf_tiny):
                            "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    model, _ = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
     generator = torch.Generator().manual_seed(7)
     expected = io.StringIO()
     for i in (1, 2):
@@ -64,7 +64,7 @@ def test_a_bad_source_is_one_line(tmp_path):
 
 
 def test_an_empty_prompt_starts_from_endoftext(hf_tiny, tmp_path, capsys):
-    model, _ = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
     expected = io.StringIO()
     sample(model, gpt2_encoding(), "<|endoftext|>", 5, 1.0, 50, torch.Generator().manual_seed(1337),
            out=expected)

@@ -14,9 +14,9 @@ from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
 import export_hf
 from conftest import ROOT, make_shards, read_log, run_training
-from gpt2_weights import load_model, pretrained, save_hf, tokenizer_files
+from gpt2_weights import save_hf, tokenizer_files
 from prepare_data import gpt2_encoding
-from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
+from train_gpt2 import GPT, Config, DataLoader, UserError, init_from, load_config
 
 TOLERANCE = 1e-5  # float32 logits of two implementations that sum in other orders
 
@@ -34,7 +34,8 @@ def hf_logits(model, idx):
 @pytest.mark.compat
 def test_init_from_a_transformers_checkpoint_gives_its_logits(hf_tiny):
     reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
-    model, config = load_model(hf_tiny)
+    model = GPT.from_pretrained(hf_tiny)
+    config = model.config
     assert (config.n_layer, config.n_embd, config.block_size, config.vocab_size) == (2, 32, 64, 50257)
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -49,13 +50,13 @@ def test_init_from_a_transformers_checkpoint_gives_its_logits(hf_tiny):
 ])
 def test_init_from_refuses_a_conflicting_model_config(hf_tiny, override, message):
     with pytest.raises(UserError, match=message):
-        pretrained(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}", override]))
+        init_from(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}", override]))
 
 
 def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
     with pytest.raises(UserError, match="neither gpt2, .* nor a Hugging Face GPT-2 directory "
                                         "\\(config.json and model.safetensors missing\\)"):
-        load_model(tmp_path / "nowhere")
+        GPT.from_pretrained(tmp_path / "nowhere")
 
 
 @pytest.mark.compat
@@ -91,7 +92,7 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(out_dir), str(hf_dir)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    ours, _ = load_model(out_dir)
+    ours = GPT.from_pretrained(out_dir)
     exported = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

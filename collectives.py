@@ -1,0 +1,54 @@
+"""
+The collectives that train_gpt2.py and its modules share beyond DDP's own: the names of two that
+moved between torch versions, and the ones that make every rank agree on a user's error, so that
+under torchrun all ranks stop with one line instead of waiting for a collective until the timeout.
+Each works in one process without a process group, too.
+"""
+
+import torch
+import torch.distributed as dist
+
+from configurator import UserError
+
+# torch 2.13 renamed these two collectives (from reduce_scatter_tensor and all_gather_into_tensor)
+# and deprecated the old names, the only ones before it: take whichever this torch has, unwarned
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def agreed(fn, master_only=False):
+    """Runs fn() on every rank (on rank 0 alone with master_only) and returns its result where it
+    ran, None elsewhere. If fn raised UserError on any rank, every rank raises it (the lowest such
+    rank's message), so that under torchrun the others stop too instead of waiting for a
+    collective until the timeout; configurator.run prints it from rank 0 alone. A collective."""
+    result, error = None, None
+    if not master_only or not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+def broadcast_object(obj):
+    """Rank 0's obj (picklable), on every rank. A collective."""
+    if dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
+
+
+def all_reduce_max(values, device):
+    """The element-wise maximum of a list of ints over ranks. A collective."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
 import export_hf
-from conftest import ROOT, make_shards, read_log, run_training
+from conftest import ROOT, make_shards, read_log, run_training, write_hellaswag
 from gpt2_weights import save_hf, tokenizer_files
 from prepare_data import gpt2_encoding
 from train_gpt2 import GPT, Config, DataLoader, UserError, init_from, load_config
@@ -60,6 +60,26 @@ def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
 
 
 @pytest.mark.compat
+def test_a_run_with_init_from_and_hellaswag_loads_train_gpt2_once(hf_tiny, tmp_path):
+    """No module that train_gpt2.py imports imports it back: run as a script, it is the module
+    __main__ alone, never also a second copy named train_gpt2 (two Config classes in a process).
+    python -X importtime lists every module a process imports, on stderr."""
+    data_dir = tmp_path / "data"
+    make_shards(data_dir)
+    write_hellaswag(tmp_path / "hellaswag.jsonl", 2)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "train_gpt2.py", *FINETUNE_TINY, "--max_steps=1",
+         f"--init_from={hf_tiny}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}",
+         "--hellaswag_interval=1", f"--hellaswag_path={tmp_path / 'hellaswag.jsonl'}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hellaswag acc_norm" in proc.stdout and "init_from" in proc.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert {"gpt2_weights", "hellaswag", "memory_plan"} <= set(imported)
+    assert "train_gpt2" not in imported
+
+
 def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path):
     """The tiny finetune starts from hf_tiny: its step-0 val loss is transformers' loss on the
     same val batches. Its checkpoint, exported, loads in transformers with our logits, and the

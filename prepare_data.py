@@ -53,7 +53,9 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
+import configurator
 from atomic import atomic_write
+from configurator import UserError
 from shards import MAX_SHARD_TOKENS, write_shard
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
@@ -71,11 +73,6 @@ BUILDERS = {
     ".json": ("json", {}),
     ".parquet": ("parquet", {}),
 }
-
-
-def _error(message):
-    """Exit with a one-line error, argparse style, instead of a traceback."""
-    return SystemExit(f"prepare_data.py: error: {message}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,7 +163,7 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 def _texts(sources, field):
     """Yield the text of every non-empty document of the (name, streaming dataset) sources.
-    Raises SystemExit with one line, naming the file and row (line, for JSON Lines), for a row
+    Raises UserError with one line, naming the file and row (line, for JSON Lines), for a row
     that cannot be read or whose field is missing, null or not text."""
     for where, dataset in sources:
         rows = iter(dataset)
@@ -191,10 +188,10 @@ def _bad_field(where, number, row, field):
     text = row.get(field)
     if text is None:
         fields = ", ".join(k for k, v in row.items() if v is not None) or "(none)"
-        return _error(f"{_row_name(where, number)} has no field {field!r} (missing or null); its "
-                      f"fields are {fields}; choose the text with --text-field")
-    return _error(f"{_row_name(where, number)}: field {field!r} holds {type(text).__name__} "
-                  f"{str(text)[:40]!r}, not text; choose the text with --text-field")
+        return UserError(f"{_row_name(where, number)} has no field {field!r} (missing or null); "
+                         f"its fields are {fields}; choose the text with --text-field")
+    return UserError(f"{_row_name(where, number)}: field {field!r} holds {type(text).__name__} "
+                     f"{str(text)[:40]!r}, not text; choose the text with --text-field")
 
 
 def _row_name(where, number):
@@ -220,9 +217,10 @@ def _read_error(where, e):
                 try:
                     json.loads(line)
                 except ValueError as bad:
-                    return _error(f"{where} line {number} is not valid JSON ({bad}); fix or "
-                                  f"remove that line")
-    return _error(f"cannot read {where}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
+                    return UserError(f"{where} line {number} is not valid JSON ({bad}); fix or "
+                                     f"remove that line")
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return UserError(f"cannot read {where}: {first_line}")
 
 
 class _ShardWriter:
@@ -326,15 +324,15 @@ def _expand_inputs(patterns):
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
         if not matches:
-            raise _error(f"no files match {pattern!r}")
+            raise UserError(f"no files match {pattern!r}")
         files += matches
     extensions = sorted({Path(f).suffix.lower() for f in files})
     unsupported = [e or "(none)" for e in extensions if e not in BUILDERS]
     if unsupported:
-        raise _error(f"unsupported file extension {', '.join(unsupported)}; "
-                     f"supported: {', '.join(BUILDERS)}")
+        raise UserError(f"unsupported file extension {', '.join(unsupported)}; "
+                        f"supported: {', '.join(BUILDERS)}")
     if len(extensions) > 1:
-        raise _error(f"all --input files must have one extension, got {', '.join(extensions)}")
+        raise UserError(f"all --input files must have one extension, got {', '.join(extensions)}")
     return files, BUILDERS[extensions[0]]
 
 
@@ -348,7 +346,7 @@ def _drop_bad_utf8(files, skip):
         except UnicodeDecodeError as e:
             problem = f"{f} is not valid UTF-8 (first bad byte at offset {e.start})"
             if not skip:
-                raise _error(f"{problem}; fix it, or pass --skip-bad-files to skip it")
+                raise UserError(f"{problem}; fix it, or pass --skip-bad-files to skip it")
             print(f"prepare_data.py: warning: skipping {problem}", file=sys.stderr)
         else:
             good.append(f)
@@ -380,8 +378,8 @@ def main(argv=None):
         if _recorded_source(manifest_path) == source:
             print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
             return
-        raise _error(f"{out_dir} already has .bin files, made from other input or options; pass "
-                     f"--overwrite to replace its {name}_*.bin shards, or pick another --output-dir")
+        raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
+                        f"--overwrite to replace its {name}_*.bin shards, or pick another --output-dir")
 
     # imported here because it is slow to import and train_gpt2.py only needs gpt2_encoding()
     import datasets
@@ -421,7 +419,7 @@ def main(argv=None):
             shutil.rmtree(staging)  # left by a killed run
         staging.mkdir(parents=True)
     except OSError as e:
-        raise _error(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output-dir")
+        raise UserError(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output-dir")
     try:
         writer = _write_shards(args, sources, what, name, staging)
     except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
@@ -494,7 +492,7 @@ def _write_shards(args, sources, what, name, staging):
                 bar.set_postfix_str(f"{total:,} tokens")
             bar.update(size - bar.n)  # the bytes of json and parquet that are not text
         if total == 0:
-            raise _error(f"empty input: no documents in {what}")
+            raise UserError(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
 
     writer = _ShardWriter(staging, name, args.shard_size)
@@ -510,14 +508,14 @@ def _write_shards(args, sources, what, name, staging):
             if len(tokens):
                 writer.add("train", tokens)
     if writer.split is None:  # no document came through, so nothing has been written
-        raise _error(f"empty input: no documents in {what}")
+        raise UserError(f"empty input: no documents in {what}")
     writer.flush()
     if "train" not in writer.stats:
         n = writer.stats["val"][1]
-        raise _error(f"the input has only {n} tokens, all of them went to val (--val-tokens "
-                     f"{val_tokens}); no train shard was written")
+        raise UserError(f"the input has only {n} tokens, all of them went to val (--val-tokens "
+                        f"{val_tokens}); no train shard was written")
     return writer
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "prepare_data.py")

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 import prepare_data
+from configurator import UserError
 from prepare_data import EOT_TOKEN, TINYSHAKESPEARE_PATH, gpt2_encoding, main
 from shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
 
@@ -210,7 +211,7 @@ def test_rows_are_documents_with_text_field(tmp_path, ext):
 def test_missing_text_field_is_an_error(tmp_path, ext):
     path = tmp_path / f"rows{ext}"
     write_rows(path, [{"body": "hello", "id": 1}])
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         run("--input", path, "--output-dir", tmp_path / "out", "--workers", 1)
     message = str(exc.value)
     assert "'text'" in message and str(path) in message and "body" in message and "id" in message
@@ -285,7 +286,7 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2]
     run(*common, "--shard-size", 2)
     assert len(names(out_dir)) > 3
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         run(*common)
     assert "--overwrite" in str(exc.value)
     (out_dir / ".partial").mkdir()
@@ -369,10 +370,10 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     assert capsys.readouterr().out == f"{out_dir} already holds the shards of this input and these " \
                                       f"options: nothing to do\n"
     assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == before
-    with pytest.raises(SystemExit, match="made from other input or options; pass --overwrite"):
+    with pytest.raises(UserError, match="made from other input or options; pass --overwrite"):
         run(*common, "--val-tokens", 3)
     (tmp_path / "a.txt").write_text("Other text.")
-    with pytest.raises(SystemExit, match="made from other input or options"):
+    with pytest.raises(UserError, match="made from other input or options"):
         run(*common)
 
 
@@ -388,14 +389,14 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UserError, match=message):
         run("--input", tmp_path / "bad.jsonl", "--output-dir", tmp_path / "out", "--workers", 1)
     assert not (tmp_path / "out").exists()  # a failed run leaves no empty output directory
 
 
 def test_parquet_row_without_text_is_named_by_row(tmp_path):
     write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
-    with pytest.raises(SystemExit, match="rows.parquet row 2 has no field 'text' .* its fields are id;"):
+    with pytest.raises(UserError, match="rows.parquet row 2 has no field 'text' .* its fields are id;"):
         run("--input", tmp_path / "rows.parquet", "--output-dir", tmp_path / "out", "--workers", 1)
 
 
@@ -418,7 +419,7 @@ def test_unwritable_output_dir_fails_before_tokenizing(tmp_path, monkeypatch):
     blocker = tmp_path / "file"  # a file where the output dir's parent should be (root ignores chmod)
     blocker.write_text("not a directory")
     monkeypatch.setattr(prepare_data, "_tokenized", lambda *a: pytest.fail("tokenized first"))
-    with pytest.raises(SystemExit, match=f"cannot write to {blocker}/out: Not a directory; pick a "
+    with pytest.raises(UserError, match=f"cannot write to {blocker}/out: Not a directory; pick a "
                                          f"writable --output-dir"):
         run("--input", tmp_path / "a.txt", "--output-dir", blocker / "out")
 
@@ -427,7 +428,7 @@ def test_empty_input_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
     for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val-tokens", 0])]:
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(UserError) as exc:
             run("--input", tmp_path / path, "--output-dir", tmp_path / "out", "--workers", 1, *extra)
         assert "empty input" in str(exc.value)
         assert not (tmp_path / "out").exists()
@@ -440,7 +441,7 @@ def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):
     for inputs, needle in [([tmp_path / "nope*.txt"], "nope*.txt"),
                            ([tmp_path / "a.txt", tmp_path / "b.jsonl"], "one extension"),
                            ([tmp_path / "c.csv"], ".csv")]:
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(UserError) as exc:
             run("--input", *inputs, "--output-dir", tmp_path / "out")
         assert needle in str(exc.value)
 
@@ -449,7 +450,7 @@ def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
     (tmp_path / "bad.txt").write_bytes(b"Hello \xff world")
     (tmp_path / "good.txt").write_text("Hello world")
     out_dir = tmp_path / "out"
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--workers", 1)
     assert str(tmp_path / "bad.txt") in str(exc.value) and "offset 6" in str(exc.value)
     assert not out_dir.exists()

@@ -1,6 +1,8 @@
 """
-Train GPT-2 with data parallelism, in one file: config, model, data, distributed setup,
-optimizer and schedule, training loop, teardown.
+Train GPT-2 with data parallelism. This file holds the config, the model, the data loader, the
+distributed setup and teardown, and the training loop; what the loop calls lives beside it:
+sharding.py (the ddp, zero2 and fsdp modes), optimizers.py, checkpoints.py, metrics.py, shards.py
+(docs/architecture.md maps them).
 
 One process (GPU, Apple MPS or CPU):
     python train_gpt2.py configs/shakespeare_cpu.toml
@@ -14,7 +16,7 @@ Two nodes of 8 GPUs each, run on both nodes:
 Finetune OpenAI's GPT-2 (init_from), then sample from it (scripts/sample.py):
     python train_gpt2.py configs/finetune_shakespeare.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
-Sharded AdamW state (ZeRO-2, written out below) or sharded parameters too (FSDP2):
+Sharded AdamW state (ZeRO-2, written out in sharding.py) or sharded parameters too (FSDP2):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=fsdp
 

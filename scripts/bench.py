@@ -23,11 +23,14 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+import runs  # noqa: E402
+from configurator import UserError  # noqa: E402
+
 PROFILED_STEPS = 3  # train_gpt2.py's profiler schedule: wait 2, warm up 1, record 3
 FIRST_TIMED_STEP = 6
 
@@ -42,32 +45,28 @@ VARIANTS = {
 
 
 def parse_variant(spec):
-    """'name' from VARIANTS, or 'name:--key=value,--key=value' for a custom one."""
+    """'name' from VARIANTS, or 'name:--key=value,--key=value' for a custom one: (name, its
+    train_gpt2.py overrides). Raises UserError for a name that is not in VARIANTS."""
     name, _, overrides = spec.partition(":")
     if overrides:
         return name, overrides.split(",")
     if name not in VARIANTS:
-        raise SystemExit(f"bench.py: error: unknown variant {name!r}; known: {', '.join(VARIANTS)}, "
-                         f"or write name:--key=value,...")
+        raise UserError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}, "
+                        f"or write name:--key=value,...")
     return name, VARIANTS[name]
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant; returns its log records and the path of the master's trace."""
+    """Trains one variant; returns its log records and the path of the master's trace. Raises
+    UserError with the run's output if it fails."""
     out = Path(args.out_dir) / name
     if out.exists():
         shutil.rmtree(out)
-    script = str(ROOT / "train_gpt2.py")
-    launcher = [sys.executable, script] if args.nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        script]
-    cmd = [*launcher, *train_args, *overrides, f"--max_steps={FIRST_TIMED_STEP + args.steps}",
-           "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
-           "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench.py: variant {name} failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
-    records = [json.loads(line) for line in open(out / "log.jsonl")]
+    runs.train([*train_args, *overrides, f"--max_steps={FIRST_TIMED_STEP + args.steps}",
+                "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
+                "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
+               args.nproc)
+    records = runs.read_log(out)
     for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
         checkpoint.unlink()
     return records, out / "trace_rank0.json"
@@ -151,7 +150,7 @@ def print_table(rows):
               f"{r['optimizer_state_mb']:>14.2f} {r['comm_mb']:>12.3f}")
 
 
-def main():
+def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                      usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
@@ -161,7 +160,7 @@ def main():
     parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[],
                         help="also run the config (with its own compile setting) at these B")
     parser.add_argument("--out-dir", default="out/bench")
-    args, train_args = parser.parse_known_args()
+    args, train_args = parser.parse_known_args(argv)
     variants = [parse_variant(v) for v in args.variants]
     variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
     rows = {}
@@ -172,4 +171,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "bench.py")

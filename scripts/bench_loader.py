@@ -28,6 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import configurator  # noqa: E402
+from configurator import UserError  # noqa: E402
 
 
 def peak_rss_mb():
@@ -94,7 +96,7 @@ def main(argv=None):
                    "--batches", str(args.batches)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+                raise UserError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
             rows.append((size, json.loads(proc.stdout.splitlines()[-1])))
             shutil.rmtree(data_dir)
     finally:
@@ -110,4 +112,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "bench_loader.py")

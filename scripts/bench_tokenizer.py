@@ -23,7 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import configurator  # noqa: E402
 import prepare_data  # noqa: E402
+from configurator import UserError  # noqa: E402
 
 
 def load_docs(path, repeat):
@@ -68,8 +70,8 @@ def main(argv=None):
         pd_tokens, pd_s = best_time(
             lambda: sum(len(a) for a, _ in prepare_data._tokenized(docs, n)), args.trials)
         if pd_tokens != tik_tokens + len(docs):
-            sys.exit(f"token counts disagree: prepare_data {pd_tokens}, tiktoken {tik_tokens} "
-                     f"+ {len(docs)} documents")
+            raise UserError(f"token counts disagree: prepare_data {pd_tokens}, tiktoken {tik_tokens} "
+                            f"+ {len(docs)} documents")
         ratio = (pd_tokens / pd_s) / (tik_tokens / tik_s)
         rows.append(("tiktoken", n, tik_tokens, tik_s, ""))
         rows.append(("prepare_data", n, pd_tokens, pd_s, f"{ratio:.2f}"))
@@ -80,4 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "bench_tokenizer.py")

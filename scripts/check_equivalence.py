@@ -13,35 +13,25 @@ World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalon
 """
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+import runs  # noqa: E402
 
 
 def train(world_size, train_args, out_dir, python=sys.executable):
     """Runs train_gpt2.py at `world_size` into out_dir with the `python` interpreter (and its
     torch); returns (train records, eval records, HellaSwag records, final model state dict).
-    Raises RuntimeError with the run's output if it fails."""
-    script = str(ROOT / "train_gpt2.py")
-    if world_size == 1:
-        cmd = [python, script]
-    else:
-        cmd = [python, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world_size}", script]
-    cmd += [*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-    records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
+    Raises UserError with the run's output if it fails."""
+    runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
+               world_size, python=python)
     checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
     model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r],
-            [r for r in records if "hellaswag_acc_norm" in r], model)
+    return (*runs.split_records(runs.read_log(out_dir)), model)
 
 
 def compare(train_args, world_sizes, out_root):
@@ -49,10 +39,10 @@ def compare(train_args, world_sizes, out_root):
     "hellaswag", "max_param_diff"}}: the losses and gradient norms (before clipping) as lists per
     step, the HellaSwag results as (acc_norm, acc, examples) per evaluation (none unless
     hellaswag_interval is set), and the largest absolute weight difference to world size 1."""
-    runs = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
-    ref_model = runs[world_sizes[0]][-1]
+    trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
+    ref_model = trained[world_sizes[0]][-1]
     results = {}
-    for n, (steps, evals, hellaswag, model) in runs.items():
+    for n, (steps, evals, hellaswag, model) in trained.items():
         results[n] = {
             "loss": [r["loss"] for r in steps],
             "grad_norm": [r["grad_norm"] for r in steps],
@@ -92,15 +82,15 @@ def print_table(results):
               "--exact_reduction=true sums in float64 and makes the runs bitwise identical")
 
 
-def main():
+def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world-sizes N ...]")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out-dir", default="out/check_equivalence")
-    args, train_args = parser.parse_known_args()
+    args, train_args = parser.parse_known_args(argv)
     results = compare(train_args, args.world_sizes, args.out_dir)
     print_table(results)
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "check_equivalence.py")

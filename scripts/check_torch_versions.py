@@ -19,7 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from check_equivalence import train
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+from check_equivalence import train  # noqa: E402
+from configurator import UserError  # noqa: E402
 
 VARIANTS = {  # name: train_gpt2.py arguments
     mode + (" exact" if exact else ""): [f"--sharding={mode}", f"--exact_reduction={exact}".lower()]
@@ -28,8 +31,18 @@ VARIANTS = {  # name: train_gpt2.py arguments
 
 
 def torch_version(python):
-    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    """The torch version of the interpreter `python`. Raises UserError if it cannot be run or
+    cannot import torch."""
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                              capture_output=True, text=True)
+    except OSError as e:
+        raise UserError(f"cannot run --python {python}: {e.strerror}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{python} cannot import torch ({last}): install torch and "
+                        f"requirements.txt into it")
+    return proc.stdout.strip()
 
 
 def compare_versions(pythons, train_args, world_size, out_root):
@@ -57,7 +70,7 @@ def compare_versions(pythons, train_args, world_size, out_root):
     return versions, results
 
 
-def main():
+def main(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         usage="%(prog)s --python PYTHON [--python ...] [CONFIG.toml] [--key=value ...]")
@@ -66,7 +79,7 @@ def main():
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--out-dir", default="out/check_torch_versions")
-    args, train_args = parser.parse_known_args()
+    args, train_args = parser.parse_known_args(argv)
     print(f"max |diff| to torch {torch_version(sys.executable)} ({sys.executable}), world size "
           f"{args.world_size}:", flush=True)
     versions, results = compare_versions([sys.executable, *args.python], train_args,
@@ -75,8 +88,8 @@ def main():
     verdict = "within" if worst <= args.tolerance else "OVER"
     print(f"largest loss or grad norm difference {worst:.2e}: {verdict} the tolerance "
           f"{args.tolerance:.0e}")
-    sys.exit(0 if worst <= args.tolerance else 1)
+    return 0 if worst <= args.tolerance else 1
 
 
 if __name__ == "__main__":
-    main()
+    configurator.run(main, "check_torch_versions.py")

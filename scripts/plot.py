@@ -10,12 +10,16 @@ Needs matplotlib (pip install matplotlib), which training does not.
 """
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+from atomic import atomic_write  # noqa: E402
+from configurator import UserError  # noqa: E402
+from runs import read_log  # noqa: E402
 
 # HellaSwag acc_norm of the models build-nanogpt measures itself against: OpenAI's GPT-2 124M under
 # this repo's scoring (build-nanogpt), and GPT-3 Small (125M) from the GPT-3 paper, table 3.2
@@ -25,28 +29,6 @@ PANELS = [  # (title, log key, y scale)
     ("learning rate", "lr", "linear"), ("tokens/s", "tokens_per_sec", "linear"),
     ("MFU (%)", "mfu", "linear"), ("gradient norm", "grad_norm", "log"),
 ]
-
-
-def read_log(path):
-    """The records of a log.jsonl (or of DIR/log.jsonl), as a list of dicts. A last line cut by a
-    kill is skipped. Raises SystemExit with one line for a missing or unreadable file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "log.jsonl"
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise SystemExit(f"plot.py: error: cannot read {path}: {e.strerror}")
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):
-                raise SystemExit(f"plot.py: error: {path} line {number} is not JSON: not a log.jsonl?")
-    if not records:
-        raise SystemExit(f"plot.py: error: {path} holds no records")
-    return records
 
 
 def series(records, key):
@@ -64,31 +46,29 @@ def smooth(values):
     return (sums[1:] - sums[np.maximum(0, np.arange(1, len(values) + 1) - window)]) / counts
 
 
-def pyplot(script):
-    """matplotlib.pyplot, drawing to files only; SystemExit with one line, naming `script`, if
-    matplotlib (an optional dependency) is not installed."""
+def pyplot():
+    """matplotlib.pyplot, drawing to files only. Raises UserError if matplotlib (an optional
+    dependency) is not installed."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit(f"{script}: error: matplotlib is not installed: pip install matplotlib")
+        raise UserError("matplotlib is not installed: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
     return plt
 
 
 def save_png(fig, out):
-    """Writes the figure to the PNG `out` (a temp file, then a rename) and closes it."""
+    """Writes the figure to the PNG `out`, whole or not at all (atomic_write), and closes it."""
     fig.tight_layout()
-    tmp = Path(str(out) + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
     import matplotlib.pyplot as plt
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def plot(runs, out):
-    """Draws `runs` ({label: records}) into the PNG `out`."""
-    plt = pyplot("plot.py")
+    """Draws `runs` ({label: records}) into the PNG `out`. Raises UserError without matplotlib."""
+    plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
     for ax, (title, key, scale) in zip(axes.flat, PANELS):
         ax.set_title(title)
@@ -138,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    configurator.run(main, "plot.py")

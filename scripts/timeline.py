@@ -20,7 +20,10 @@ import re
 import sys
 from pathlib import Path
 
-from plot import pyplot, save_png  # beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+from configurator import UserError  # noqa: E402
+from plot import pyplot, save_png  # noqa: E402  (beside this script)
 
 COMPUTE = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange",
            "optimizer": "tab:green"}
@@ -55,14 +58,14 @@ def gloo_collectives(events):
 
 def lanes(trace, steps):
     """The first `steps` profiled steps of one rank's chrome trace as (compute, collectives):
-    lists of (kind, start_ms, duration_ms), times from the first step's start. Raises SystemExit
-    with one line for a trace without profiled steps."""
+    lists of (kind, start_ms, duration_ms), times from the first step's start. Raises UserError
+    for a trace without profiled steps."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e["name"].startswith("ProfilerStep#"))
     if not windows:
-        raise SystemExit("timeline.py: error: no ProfilerStep in the trace: was it written by "
-                         "train_gpt2.py --profile=true?")
+        raise UserError("no ProfilerStep in the trace: was it written by train_gpt2.py "
+                        "--profile=true?")
     start, end = windows[0][0], windows[min(steps, len(windows)) - 1][1]
     ranges = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
               else "user_annotation")
@@ -80,8 +83,9 @@ def lanes(trace, steps):
 
 
 def draw(traces, out, steps, title):
-    """traces: {rank: chrome trace dict}. Writes the PNG `out` (temp file, then rename)."""
-    plt = pyplot("timeline.py")
+    """traces: {rank: chrome trace dict}. Writes the PNG `out` (save_png). Raises UserError
+    without matplotlib."""
+    plt = pyplot()
     from matplotlib.patches import Patch
     ranks = sorted(traces)
     fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(ranks)))
@@ -115,19 +119,19 @@ def main(argv):
     run = Path(args.run)
     paths = sorted(run.glob("trace_rank*.json")) if run.is_dir() else [run]
     if not paths:
-        raise SystemExit(f"timeline.py: error: no trace_rank*.json in {run}: run train_gpt2.py "
-                         f"with --profile=true and at least 6 steps")
+        raise UserError(f"no trace_rank*.json in {run}: run train_gpt2.py with --profile=true and "
+                        f"at least 6 steps")
     traces = {}
     for path in paths:
         match = re.search(r"rank(\d+)", path.name)
         try:
             traces[int(match[1]) if match else 0] = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise SystemExit(f"timeline.py: error: cannot read {path}: {e}")
+            raise UserError(f"cannot read {path}: {e}") from None
     out = args.out or (run if run.is_dir() else run.parent) / "timeline.png"
     draw(traces, out, args.steps, args.title)
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    configurator.run(main, "timeline.py")

@@ -2,7 +2,7 @@
 
 import json
 import os
-import subprocess
+import socket
 import sys
 from pathlib import Path
 
@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts"))
+import runs  # noqa: E402
 from check_equivalence import compare  # noqa: E402
 from shards import write_shard  # noqa: E402
 
@@ -79,27 +80,36 @@ def tiny_data(tmp_path):
     return data_dir
 
 
-def run_training(args, nproc=None, timeout=300, extra_torchrun=()):
-    """Runs train_gpt2.py as a user would: plain python, or torchrun with `nproc` gloo workers.
+def run_training(args, nproc=1, timeout=300):
+    """Runs train_gpt2.py as a user would (runs.train: plain python for one process, torchrun with
+    `nproc` gloo workers), with OMP_NUM_THREADS=1.
 
-    Returns the CompletedProcess; raises with the output if it failed.
+    Returns the CompletedProcess; raises UserError with the output if it failed.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if nproc is None:
-        cmd = [sys.executable, str(ROOT / "train_gpt2.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *extra_torchrun, str(ROOT / "train_gpt2.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    return runs.train(args, nproc, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def read_log(out_dir):
     """The records of {out_dir}/log.jsonl, split into train steps and evals."""
-    records = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
-    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+    steps, evals, _ = runs.split_records(runs.read_log(out_dir))
+    return steps, evals
+
+
+def free_port():
+    """A TCP port of 127.0.0.1 that the OS found free, for a rendezvous endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_bitwise_same_run(result, reference):
+    """`result` logged bitwise the losses, val losses and HellaSwag results of `reference` (runs
+    as check_equivalence.compare returns them), and ended with the weights of the first world size
+    of its own compare call."""
+    assert result["loss"] == reference["loss"]
+    assert result["val_loss"] == reference["val_loss"]
+    assert result["hellaswag"] == reference["hellaswag"]
+    assert result["max_param_diff"] == 0.0
 
 
 # The equivalence config: GPT-2's biases, dropout on, exact_reduction (float64 gradient sums, so

@@ -8,6 +8,7 @@ import pytest
 
 import timeline
 from conftest import ROOT, TINY, make_shards
+from configurator import UserError
 from train_gpt2 import GPT, load_config
 
 
@@ -45,5 +46,5 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     compute, comm = timeline.lanes({"traceEvents": trace}, steps=3)
     assert {kind for kind, _, _ in comm} == {"all_reduce"}
     assert {kind for kind, _, _ in compute} == {"data", "forward", "backward", "optimizer"}
-    with pytest.raises(SystemExit, match="no trace_rank\\*.json in"):
+    with pytest.raises(UserError, match="no trace_rank\\*.json in"):
         timeline.main([str(tmp_path)])

@@ -9,7 +9,6 @@ a few steps (rtol 1e-5 on losses) and then drift apart, which the last tests sho
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,14 +16,8 @@ import numpy as np
 import pytest
 
 from check_equivalence import compare, print_table
-from conftest import EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, read_log
-
-
-def assert_bitwise_same_run(result, reference):
-    assert result["loss"] == reference["loss"]
-    assert result["val_loss"] == reference["val_loss"]
-    assert result["hellaswag"] == reference["hellaswag"]
-    assert result["max_param_diff"] == 0.0
+from conftest import (EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, assert_bitwise_same_run, free_port,
+                      read_log)
 
 
 @pytest.mark.compat
@@ -122,12 +115,6 @@ def test_sync_flag_set_after_the_forward_is_caught(equiv_data_dir, default_mode_
     assert losses[0] == pytest.approx(reference[0], rel=1e-5)  # the same first forward
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.compat

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, make_shards, read_log, run_training
+import runs
+from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training
 from shards import write_shard
 
 STEPS = 40
@@ -55,8 +56,7 @@ def wait_for_step(out_dir, step, proc, timeout=120):
 
 
 def torchrun(args, nproc, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *extra, str(ROOT / "train_gpt2.py"), *args]
+    cmd = runs.command(args, nproc, torchrun_args=extra)
     # plain torchrun: no TORCH_DISABLE_SHARE_RDZV_TCP_STORE, which scripts/train_resilient.sh sets
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env["OMP_NUM_THREADS"] = "1"
@@ -239,8 +239,6 @@ def launch_ranks(args, world_size, port):
 def test_survivors_exit_within_the_collective_timeout(data_dir, tmp_path, fault):
     """A rank that dies (SIGKILL) or hangs (SIGSTOP) mid-run: the other rank fails with an error
     within collective_timeout_s (5 s here), not after gloo's default of 30 minutes."""
-    from test_equivalence import free_port
-
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--total_batch_size=64",
             "--max_steps=100000", "--eval_interval=0", "--collective_timeout_s=5"]
     survivor, victim = launch_ranks(args, 2, free_port())

@@ -102,5 +102,5 @@ def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):
 
 def test_plot_without_matplotlib_says_what_to_install(equiv_runs_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    with pytest.raises(SystemExit, match="matplotlib is not installed: pip install matplotlib"):
+    with pytest.raises(UserError, match="matplotlib is not installed: pip install matplotlib"):
         plot.main([str(equiv_runs_dir / "world_size_1"), "--out", str(tmp_path / "p.png")])

@@ -11,8 +11,7 @@ import torch
 
 import timeline
 from check_equivalence import compare
-from conftest import EQUIV, hellaswag_args, read_log, run_training
-from test_equivalence import assert_bitwise_same_run
+from conftest import EQUIV, assert_bitwise_same_run, hellaswag_args, read_log, run_training
 from train_gpt2 import GPT, load_config
 
 # each sharded mode runs another seed than test_equivalence.py's, so that with ddp's three
@@ -96,7 +95,7 @@ def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, sharded_runs
         shutil.copy(full / ckpt, out)
         shutil.copy(full / "log.jsonl", out)  # cut back to the checkpoint's step on resume
         proc = run_training([*seeded_args(mode, equiv_data_dir), f"--out_dir={out}",
-                             f"--sharding={resume_mode}"], nproc=world_size if world_size > 1 else None)
+                             f"--sharding={resume_mode}"], nproc=world_size)
         assert "resumed from" in proc.stdout
         steps, evals = read_log(out)
         assert [s["step"] for s in steps] == list(range(STEPS))

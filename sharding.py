@@ -53,14 +53,14 @@ class ZeRO2Optimizer:
 
     Each parameter is flattened and zero-padded to a multiple of world_size; rank r owns slice r of
     it and keeps optimizer state for that slice only (for AdamW, 1/world_size of DDP's 8 bytes per
-    parameter): make_optimizer(groups) builds the optimizer over the slices.
+    parameter): make_optimizer(groups) builds the inner optimizer over the slices.
     No DDP wrapper: micro-steps that do not sync accumulate p.grad locally. On the syncing one,
     a post-accumulate-grad hook launches an asynchronous reduce-scatter of each gradient as soon
     as autograd has finished it, so communication overlaps the rest of the backward.
     clip_grad_norm() waits on them in the order the backward made them and clips by the norm of
     the full gradient (summed over ranks); step() updates the slices with the inner optimizer
-    (element-wise: the same arithmetic as ddp mode) and all-gathers the new slices into every rank's full
-    parameters. With `exact`, the micro-steps' gradients are summed in float64 and
+    (element-wise, so the arithmetic of ddp mode) and all-gathers the new slices into every
+    rank's full parameters. With `exact`, the micro-steps' gradients are summed in float64 and
     reduce-scattered as float64 sums (see DDPMode), then cast to float32 once.
 
     state_dict()/load_state_dict() use the full, unsharded state in the inner optimizer's format
@@ -152,7 +152,8 @@ class ZeRO2Optimizer:
         state = {}
         for i, p in enumerate(self.shards):  # in param_groups order, as torch.optim numbers them
             if i in inner["state"]:
-                state[i] = {key: self.gather_whole(value, p) for key, value in inner["state"][i].items()}
+                state[i] = {key: self.gather_whole(value, p)
+                            for key, value in inner["state"][i].items()}
         return {"state": state, "param_groups": inner["param_groups"]}
 
     def gather_whole(self, value, p):
@@ -180,13 +181,14 @@ class ZeRO2Optimizer:
 
 
 class DDPMode:
-    """sharding=ddp: every rank holds the whole model, gradients and optimizer state; DDP all-reduces
-    the gradients in buckets, overlapped with the backward (one process without torchrun: no DDP).
+    """sharding=ddp: every rank holds the whole model, gradients and optimizer state; DDP
+    all-reduces the gradients in buckets, overlapped with the backward (one process without
+    torchrun: no DDP).
 
-    Every mode gives the loop `model` (to run), shard_optimizer(groups, make_optimizer) to build
-    `optimizer` (whose lr the schedule sets), set_grad_sync(sync) before each micro-step's forward, clip_grad_norm(max_norm) after the last
-    backward, then step() unless the loop skips the update, and state_dict()/load_state_dict()
-    of the full, unsharded model and optimizer.
+    Every mode gives the loop `model` (to run), shard_optimizer(groups, make_optimizer), which
+    builds `optimizer` (whose lr the schedule sets), set_grad_sync(sync) before each micro-step's
+    forward, clip_grad_norm(max_norm) after the last backward, then step() unless the loop skips
+    the update, and state_dict()/load_state_dict() of the full, unsharded model and optimizer.
 
     exact_reduction: a post-accumulate-grad hook adds each micro-step's gradient into a float64
     sum; on the syncing micro-step a comm hook sums those over ranks in float64 and casts to
@@ -196,8 +198,9 @@ class DDPMode:
 
     # what train_gpt2.py and memory_plan.py ask of a mode
     needs_process_group = False  # in one process without torchrun: no collectives, no group
-    optimizer_state_format = "index"  # torch.optim's state_dict; a checkpoint's resumes in another
-    # mode of the same format only
+    # torch.optim's state_dict, keyed by parameter index: a checkpoint resumes in the modes of its
+    # format only
+    optimizer_state_format = "index"
     shards_parameters = False  # parameters and gradients whole on every rank
     shards_optimizer_state = False  # optimizer state whole on every rank
 

@@ -639,8 +639,10 @@ def resume(config, mode, train_loader):
 
     ckpt = agreed(load)
     saved = ckpt["config"]
-    diff = {k: (saved.get(k), getattr(config, k)) for k in MODEL_KEYS if saved.get(k) != getattr(config, k)}
-    saved_mode = SHARDING_MODES.get(saved.get("sharding"), SHARDING_MODES["ddp"])
+    diff = {k: (saved.get(k), getattr(config, k)) for k in MODEL_KEYS
+            if saved.get(k) != getattr(config, k)}
+    # checkpoints without the key are of the default mode
+    saved_mode = SHARDING_MODES.get(saved.get("sharding"), SHARDING_MODES[Config.sharding])
     if saved_mode.optimizer_state_format != mode.optimizer_state_format:
         diff["sharding"] = (saved.get("sharding"), config.sharding)
     if diff:

@@ -361,9 +361,8 @@ class DataLoader:
     Shards are memory-mapped anew per batch, so host memory stays flat (nanoGPT #287).
     """
 
-    def __init__(self, data_dir, split, B, T, rank, world_size, device, vocab_size, dataset=""):
+    def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset=""):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.vocab_size = vocab_size
         self.paths = split_paths(data_dir, split, dataset)
         if not self.paths:
             makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
@@ -380,17 +379,6 @@ class DataLoader:
             raise UserError(f"{split} split in {data_dir} has {self.starts[-1]} tokens, fewer than "
                              f"one micro-batch of B*T+1 = {B * T + 1}; lower micro_batch_size or seq_len")
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
-
-    def check_token_ids(self, cache_path, reduce_max):
-        """Raises UserError, on every rank, when a shard holds a token id the embedding lacks
-        (another tokenizer's shards): before the first step, not mid-run on the one rank that read
-        it (shards.max_token_ids; a collective)."""
-        maxima = max_token_ids(self.paths, cache_path, self.rank, self.world_size, reduce_max)
-        for path, largest in zip(self.paths, maxima):
-            if largest >= self.vocab_size:
-                raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size="
-                                f"{self.vocab_size}: it was made with another tokenizer; remake it "
-                                f"with prepare_data.py or raise vocab_size")
 
     def read(self, start, n):
         """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64."""
@@ -601,13 +589,20 @@ def sample_prompt(config):
 
 def make_loaders(config, rank, world_size, device):
     """The train and val DataLoaders, every shard's token ids known to fit vocab_size. Raises
-    UserError on every rank (a data_dir missing on one node stops all at once). A collective."""
+    UserError on every rank (a data_dir missing on one node stops all at once), and for a shard
+    that holds a token id the embedding lacks (another tokenizer's shards) before the first step,
+    not mid-run on the one rank that read it. A collective."""
     loaders = agreed(lambda: [
         DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank,
-                   world_size, device, config.vocab_size, config.dataset) for split in ("train", "val")])
-    for loader in loaders:
-        loader.check_token_ids(Path(config.out_dir) / "token_ids.json",
-                               lambda values: all_reduce_max(values, device))
+                   world_size, device, config.dataset) for split in ("train", "val")])
+    paths = [path for loader in loaders for path in loader.paths]  # both splits in one scan
+    maxima = max_token_ids(paths, Path(config.out_dir) / "token_ids.json", rank, world_size,
+                           lambda values: all_reduce_max(values, device))
+    for path, largest in zip(paths, maxima):
+        if largest >= config.vocab_size:
+            raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size="
+                            f"{config.vocab_size}: it was made with another tokenizer; remake it "
+                            f"with prepare_data.py or raise vocab_size")
     return loaders
 
 

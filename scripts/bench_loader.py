@@ -53,7 +53,7 @@ def measure(data_dir, B, T, n_batches):
 
     base = peak_rss_mb()
     loader = train_gpt2.DataLoader(data_dir, "train", B, T, rank=0, world_size=1,
-                                   device=torch.device("cpu"), vocab_size=50304)
+                                   device=torch.device("cpu"))
     built = peak_rss_mb()
     starts = np.linspace(0, loader.batches_per_epoch - 1, n_batches).astype(int)
     t0 = time.perf_counter()

@@ -200,7 +200,7 @@ def test_initial_loss_is_log_vocab():
 # --- data loader --------------------------------------------------------------------------------
 
 def loader(data_dir, rank=0, world_size=1, B=2, T=16, split="train"):
-    return DataLoader(data_dir, split, B, T, rank, world_size, torch.device("cpu"), vocab_size=512)
+    return DataLoader(data_dir, split, B, T, rank, world_size, torch.device("cpu"))
 
 
 def test_loader_crosses_shard_boundaries_and_wraps(tmp_path):

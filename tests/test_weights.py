@@ -92,7 +92,7 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
     assert len(steps) == 4 and [e["step"] for e in evals] == [0, 3]
 
     reference = GPT2LMHeadModel.from_pretrained(hf_tiny).eval()
-    val = DataLoader(data_dir, "val", 2, 32, 0, 1, torch.device("cpu"), 50257)
+    val = DataLoader(data_dir, "val", 2, 32, 0, 1, torch.device("cpu"))
     losses = []
     for g in range(4):
         x, y = val.get_batch(g)

@@ -1,5 +1,5 @@
 """
-Memory per rank before anything runs: parameters, gradients, AdamW state and activations, by
+Memory per rank before anything runs: parameters, gradients, optimizer state and activations, by
 sharding mode, for a config, a world size and a device; and the largest micro-batch that fits.
 train_gpt2.py prints the plan's total before its first step.
 
@@ -15,8 +15,9 @@ inputs are the float32 residual stream (autocast keeps it in float32): 14 tensor
 activation width (2 bytes under CUDA's bf16 autocast, 4 on CPU) and 2 at 4 bytes. Measured on
 CPU (--measure) with torch.autograd.graph.saved_tensors_hooks, the formula is within 1% (dropout 0;
 CPU attention with dropout stores the s^2 matrix, which a GPU's flash attention does not).
-Parameters, gradients and AdamW's two moments are float32 (4 + 4 + 8 bytes per parameter),
-divided by the world size where the mode shards them (ZeRO, Rajbhandari et al. 2020).
+Parameters, gradients and AdamW's two moments are float32 (4 + 4 + 8 bytes per parameter; Muon
+keeps one momentum buffer, 4 bytes, for the matrices it updates), divided by the world size where
+the mode shards them (ZeRO, Rajbhandari et al. 2020).
 """
 
 import argparse
@@ -38,6 +39,11 @@ def n_params(config):
     return (config.vocab_size + config.block_size) * h + L * per_block + ln_f
 
 
+def n_muon_params(config):
+    """The parameters optimizer=muon gives Muon (the blocks' matmul weights); 0 for adamw."""
+    return config.n_layer * 12 * config.n_embd ** 2 if config.optimizer == "muon" else 0
+
+
 def plan(config, world_size, device_type):
     """Bytes per rank, by part, of a training step of `config` on `world_size` ranks of
     `device_type` ("cuda": bf16 autocast; anything else: float32). Returns a dict of
@@ -48,7 +54,8 @@ def plan(config, world_size, device_type):
         and two blocks at a time) keep for the backward;
       gradients: 4N (fsdp: 4N/W); ddp's buckets another 4N unless gradient_as_bucket_view;
         zero2's reduce-scattered slices 4N/W; exact_reduction's float64 sums 8N (fsdp 8N/W);
-      AdamW: 8N, divided by W in zero2 and fsdp;
+      optimizer state: AdamW's 8 bytes per parameter, Muon's 4 for its matrices, divided by W
+        in zero2 and fsdp;
       activations: saved for the backward of one micro-batch (see the module docstring);
       logits: the (B, T, vocab) tensors alive at once around the loss.
     """
@@ -69,7 +76,8 @@ def plan(config, world_size, device_type):
     parts["gradients"] = 4 * N / shard + 4 * N * grad_copies
     if config.exact_reduction:
         parts["gradients"] += 8 * N / shard
-    parts["AdamW state"] = 8 * N / (W if mode.shards_optimizer_state else 1)
+    parts["optimizer state"] = ((8 * N - 4 * n_muon_params(config))
+                                / (W if mode.shards_optimizer_state else 1))
     sbh = s * b * h
     masks = 2 if config.dropout > 0 else 0
     layer = sbh * (14 * e + 2 * 4 + masks)
@@ -105,11 +113,13 @@ def summary(config, world_size, device_type):
 
 def measure(config):
     """One training forward and backward of `config` on the CPU, one process: the bytes of
-    parameters, gradients and AdamW state held, and of the tensors saved for the backward (each
+    parameters, gradients and optimizer state held, and of the tensors saved for the backward (each
     storage once, parameters excluded), as plan() names them. With activation checkpointing,
     the activations add those one block saves when the backward recomputes it."""
     import torch
 
+    import optimizers
+    from sharding import Replicas
     from train_gpt2 import GPT
     torch.manual_seed(0)
     model = GPT(config).train()
@@ -129,7 +139,8 @@ def measure(config):
             x = torch.randn(config.micro_batch_size, config.seq_len, config.n_embd, requires_grad=True)
             model.transformer.h[0](x)
     loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = optimizers.make_optimizer(optimizers.param_groups(model, config), Replicas(0, 1),
+                                          config, torch.device("cpu"))
     optimizer.step()
 
     def size(tensors):
@@ -139,7 +150,7 @@ def measure(config):
     logits = config.micro_batch_size * config.seq_len * config.vocab_size * 4  # log-softmax
     return {"parameters": size(model.parameters()),
             "gradients": size(p.grad for p in model.parameters()),
-            "AdamW state": size(state), "activations": sum(saved.values()) - logits}
+            "optimizer state": size(state), "activations": sum(saved.values()) - logits}
 
 
 def main(argv):

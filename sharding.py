@@ -13,6 +13,8 @@ each rank updates, syncs gradients, clips them and saves the full state:
 A new mode is a subclass of DDPMode that overrides what differs, entered in SHARDING_MODES.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -40,6 +42,78 @@ def clip_grad_norm(grads, max_norm, sharded):
     norm = norm_sq.sqrt().float()
     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
+
+
+# -----------------------------------------------------------------------------
+# Whole matrices for Muon: each has an owner rank that orthogonalizes it (optimizers.Muon)
+
+
+class Replicas:
+    """ddp's matrices for Muon: every rank holds each whole matrix, so the owner has its update at
+    hand; the owner's result is broadcast (bfloat16, as Newton-Schulz computes it)."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def shape(self, p):
+        """The whole matrix's shape."""
+        return p.shape
+
+    def to_owner(self, t, p, owner):
+        """Starts moving `t`, this rank's view of an update of p's matrix, to its owner; returns a
+        function that waits and gives the whole update on the owner, None elsewhere."""
+        return lambda: t if self.rank == owner else None
+
+    def from_owner(self, whole, p, owner):
+        """Starts handing the owner's `whole` result to every rank; returns a function that waits
+        and gives this rank's view of it, shaped as its view of p."""
+        if self.world_size == 1:
+            return lambda: whole
+        buf = whole if self.rank == owner else torch.empty(p.shape, dtype=torch.bfloat16,
+                                                           device=p.device)
+        return when_done(dist.broadcast(buf, src=owner, async_op=True), lambda: buf)
+
+
+class Pieces(Replicas):
+    """zero2's and fsdp's matrices for Muon: rank r holds piece r of each matrix, and the pieces in
+    rank order, each zero-padded to one size, tile the flattened matrix (zero2's flat slices, and
+    FSDP's dim-0 shards, whose pieces are whole rows). The owner gathers the pieces of the update
+    and scatters those of the result: about the bytes of one all-reduce of the matrix.
+
+    `layout` maps each view of a matrix to (the matrix's shape, the padded piece's numel, the
+    view's own shape)."""
+
+    def __init__(self, rank, world_size, layout):
+        super().__init__(rank, world_size)
+        self.layout = layout
+
+    def shape(self, p):
+        return self.layout[p][0]
+
+    def to_owner(self, t, p, owner):
+        shape, n, _ = self.layout[p]
+        piece = F.pad(t.reshape(-1), (0, n - t.numel()))
+        pieces = [torch.empty_like(piece) for _ in range(self.world_size)] if self.rank == owner else None
+        work = dist.gather(piece, pieces, dst=owner, async_op=True)
+        return when_done(work, lambda: None if pieces is None
+                         else torch.cat(pieces)[:math.prod(shape)].view(shape))
+
+    def from_owner(self, whole, p, owner):
+        _, n, view_shape = self.layout[p]
+        pieces = None
+        if whole is not None:
+            pieces = list(F.pad(whole.reshape(-1), (0, n * self.world_size - whole.numel())).split(n))
+        piece = torch.empty(n, dtype=torch.bfloat16, device=p.device)
+        work = dist.scatter(piece, pieces, src=owner, async_op=True)
+        return when_done(work, lambda: piece[:math.prod(view_shape)].view(view_shape))
+
+
+def when_done(work, result):
+    """A function that waits for the asynchronous collective `work`, then returns result()."""
+    def wait():
+        work.wait()
+        return result()
+    return wait
 
 
 # -----------------------------------------------------------------------------
@@ -78,7 +152,8 @@ class ZeRO2Optimizer:
                 self.shards[p] = self.shard_of(p.detach()).clone()
                 p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
             shard_groups.append({**group, "params": [self.shards[p] for p in group["params"]]})
-        self.optimizer = make_optimizer(shard_groups)
+        self.optimizer = make_optimizer(shard_groups, Pieces(rank, world_size, {
+            shard: (p.shape, shard.numel(), shard.shape) for p, shard in self.shards.items()}))
         self.grads64 = {}  # exact: parameter -> float64 sum of this step's earlier micro-steps
         self.pending = []  # (parameter, reduced slice, work), in the order the backward ran
 
@@ -244,9 +319,9 @@ class DDPMode:
         return model
 
     def shard_optimizer(self, groups, make_optimizer):
-        """Builds and returns the optimizer this mode steps: make_optimizer(groups) over the
-        parameter groups (optimizers.param_groups) of the whole parameters."""
-        self.optimizer = make_optimizer(groups)
+        """Builds and returns the optimizer this mode steps: make_optimizer(groups, matrices) over
+        the parameter groups (optimizers.param_groups) of the whole parameters."""
+        self.optimizer = make_optimizer(groups, Replicas(self.rank, self.world_size))
         return self.optimizer
 
     def set_grad_sync(self, sync):
@@ -348,6 +423,14 @@ class FSDPMode(DDPMode):
                 # twice the gradient at world size 2); FSDP's sum-then-divide is the mean on all
                 module.set_force_sum_reduction_for_comms(True)
         return torch.compile(model) if self.config.compile else model
+
+    def shard_optimizer(self, groups, make_optimizer):
+        """Muon's owner of a matrix gathers its dim-0 shards (whole rows, FSDP's torch.chunk
+        split: ceil(rows / world_size) each, the last ones shorter or empty)."""
+        layout = {p: (p.shape, math.ceil(p.shape[0] / self.world_size) * math.prod(p.shape[1:]),
+                      p.to_local().shape) for group in groups for p in group["params"]}
+        self.optimizer = make_optimizer(groups, Pieces(self.rank, self.world_size, layout))
+        return self.optimizer
 
     def set_grad_sync(self, sync):
         self.raw_model.set_requires_gradient_sync(sync)

@@ -16,7 +16,7 @@ Two nodes of 8 GPUs each, run on both nodes:
 Finetune OpenAI's GPT-2 (init_from), then sample from it (scripts/sample.py):
     python train_gpt2.py configs/finetune_shakespeare.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
-Sharded AdamW state (ZeRO-2, written out in sharding.py) or sharded parameters too (FSDP2):
+Sharded optimizer state (ZeRO-2, written out in sharding.py) or sharded parameters too (FSDP2):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=fsdp
 
@@ -76,7 +76,7 @@ class Config:
     dataset: str = ""  # the shards' name prefix to train on, where data_dir holds several datasets
     out_dir: str = "out"  # log.jsonl and checkpoints
     # model: GPT-2 124M
-    init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl] or a Hugging Face GPT-2 directory
+    init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl], a Hugging Face GPT-2 directory, or a checkpoint or out_dir of ours
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block
     n_embd: int = 768  # width of the residual stream
@@ -89,9 +89,11 @@ class Config:
     micro_batch_size: int = 64  # B, sequences per forward per process
     seq_len: int = 1024  # T, tokens per sequence
     total_batch_size: int = 524288  # tokens per optimizer step, 2**19 ~ 0.5M as in GPT-3 small
-    # optimizer and schedule (AdamW, linear warmup, cosine decay)
+    # optimizer and schedule (linear warmup, cosine decay)
+    optimizer: str = "adamw"  # adamw; muon: Muon for the blocks' matrices, AdamW for the rest
     max_steps: int = 19073  # optimizer steps: 10B tokens / 524288 tokens per step
-    max_lr: float = 6e-4  # learning rate at the end of warmup
+    max_lr: float = 6e-4  # learning rate at the end of warmup (AdamW's)
+    muon_lr: float = 0.02  # optimizer=muon: Muon's max_lr, on the same schedule (nanochat's)
     min_lr: float = 6e-5  # learning rate at max_steps, the end of the cosine decay
     warmup_steps: int = 715  # steps of linear warmup from max_lr / warmup_steps
     weight_decay: float = 0.1  # AdamW's, on matmul and embedding weights only
@@ -114,7 +116,7 @@ class Config:
     # system
     seed: int = 1337  # initial weights, dropout masks and samples derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
-    sharding: str = "ddp"  # ddp: replicas; zero2: shard AdamW state; fsdp: shard params too (FSDP2)
+    sharding: str = "ddp"  # ddp: replicas; zero2: shard optimizer state; fsdp: shard params too (FSDP2)
     bucket_cap_mb: int = 25  # ddp: gradients are all-reduced in buckets of this size
     gradient_as_bucket_view: bool = False  # ddp: gradients live in the buckets, saving a copy
     grad_compression: str = "none"  # ddp: bf16 all-reduces half the bytes (NCCL only)
@@ -139,6 +141,7 @@ CONFIG_RULES = {
     **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
                                      "eval_interval", "val_batches", "sample_interval",
                                      "sample_tokens", "hellaswag_interval", "hellaswag_examples",
+                                     "muon_lr",
                                      "checkpoint_interval", "keep_checkpoints")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
@@ -146,6 +149,7 @@ CONFIG_RULES = {
                "auto, cpu, mps, cuda or cuda:N"),
     "sharding": (tuple(SHARDING_MODES), " or ".join(", ".join(SHARDING_MODES).rsplit(", ", 1))),
     "grad_compression": (("none", "bf16"), "none or bf16"),
+    "optimizer": (("adamw", "muon"), "adamw or muon"),
     "resume": (("auto", "never"), "auto or never"),
 }
 
@@ -304,34 +308,39 @@ class GPT(nn.Module):
         of train_gpt2.py, an out_dir (its newest ckpt_*.pt), a Hugging Face GPT-2 directory, or a
         hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl). Raises UserError for a source that is
         none of these or cannot be read."""
-        path = checkpoints.resolve(source)
-        if path is None:
-            shape, state = gpt2_weights.load_hf(source)
-            config = Config(**shape)
-        else:
-            try:
-                ckpt = checkpoints.load(path)  # its checksum too
-            except checkpoints.Unloadable as e:
-                raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
-                                f"ckpt_*.pt of its out_dir") from None
-            fields = {f.name for f in dataclasses.fields(Config)}
-            config = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-            state = ckpt["model"]
-        model = cls(config)
-        gpt2_weights.check_state(state, model.state_dict(), path or source)
+        shape, state = load_weights(source)
+        model = cls(Config(**shape))
+        gpt2_weights.check_state(state, model.state_dict(), source)
         model.load_state_dict(state)
         return model.to(device).eval()
 
 
+def load_weights(source, weights=True):
+    """(shape, state) of `source`, a checkpoint file of train_gpt2.py, an out_dir (its newest
+    ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its values,
+    state is its model state dict (None without `weights`). Raises UserError for a source that is
+    none of these or cannot be read."""
+    path = checkpoints.resolve(source)
+    if path is None:
+        return gpt2_weights.load_hf(source, weights)
+    try:
+        ckpt = checkpoints.load(path)  # its checksum too
+    except checkpoints.Unloadable as e:
+        raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
+                        f"ckpt_*.pt of its out_dir") from None
+    return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None
+
+
 def init_from(config, weights=True):
     """Resolves config.init_from for a run of `config`: (config, None) for scratch; else config
-    with the Hugging Face checkpoint's model shape, and its state dict (None without `weights`: a
-    run that resumes takes its weights from its own checkpoint). The model keys a user leaves at
-    their defaults take the checkpoint's values; one set to another value than the checkpoint's is
+    with the checkpoint's model shape (load_weights: OpenAI's GPT-2, a Hugging Face directory, or
+    a checkpoint or out_dir of ours), and its state dict (None without `weights`: a run that
+    resumes takes its weights from its own checkpoint). The model keys a user leaves at their
+    defaults take the checkpoint's values; one set to another value than the checkpoint's is
     refused with UserError, as is seq_len > block_size."""
     if config.init_from == "scratch":
         return config, None
-    shape, state = gpt2_weights.load_hf(config.init_from, weights)
+    shape, state = load_weights(config.init_from, weights)
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]
@@ -634,6 +643,12 @@ def resume(config, mode, train_loader):
 
     ckpt = agreed(load)
     saved = ckpt["config"]
+    saved_optimizer = saved.get("optimizer", Config.optimizer)  # checkpoints of before Muon lack it
+    if saved_optimizer != config.optimizer:
+        raise UserError(f"checkpoint {path} was trained with optimizer={saved_optimizer}, and "
+                        f"{config.optimizer} cannot continue its optimizer state: keep --optimizer="
+                        f"{saved_optimizer}, or start a new run from its weights with "
+                        f"--out_dir=NEW_DIR --init_from={config.out_dir}")
     diff = {k: (saved.get(k), getattr(config, k)) for k in MODEL_KEYS
             if saved.get(k) != getattr(config, k)}
     # checkpoints without the key are of the default mode

@@ -16,15 +16,16 @@ SMALL = Config(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512, m
                seq_len=128, sharding="ddp")
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_plan_matches_what_a_cpu_step_holds(checkpointing):
-    """Parameters, gradients and AdamW state exactly; the tensors saved for the backward (with
+@pytest.mark.parametrize("checkpointing, optimizer", [(False, "adamw"), (True, "muon")])
+def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer):
+    """Parameters, gradients and optimizer state (AdamW's two moments, or Muon's momentum for the
+    blocks' matrices and AdamW's for the rest) exactly; the tensors saved for the backward (with
     checkpointing: the blocks' inputs, and one block recomputed) within 3%: the formula leaves out
     a few (B, T) index and statistics tensors."""
-    config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing)
+    config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing, optimizer=optimizer)
     planned = memory_plan.plan(config, 1, "cpu")
     measured = memory_plan.measure(config)
-    for part in ("parameters", "gradients", "AdamW state"):
+    for part in ("parameters", "gradients", "optimizer state"):
         assert measured[part] == planned[part], part
     assert measured["activations"] == pytest.approx(planned["activations"], rel=0.03)
 

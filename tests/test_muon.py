@@ -1,0 +1,162 @@
+"""optimizer=muon: the update against torch.optim.Muon, the split of parameters between Muon and
+AdamW, and, with real processes, bitwise the same run at world sizes 1, 2 and 4 in every sharding
+mode (exact_reduction, dropout on, as test_equivalence.py and test_sharding.py check AdamW), resume
+at another world size and mode, and a checkpoint of the other optimizer refused in one line."""
+
+import shutil
+
+import pytest
+import torch
+
+import optimizers
+from check_equivalence import compare
+from conftest import EQUIV, assert_bitwise_same_run, hellaswag_args, read_log, run_training
+from configurator import UserError
+from sharding import Replicas
+from train_gpt2 import GPT, load_config
+
+STEPS, CHECKPOINT_STEP = 12, 8
+MUON = [*EQUIV, "--optimizer=muon", "--muon_lr=0.05", f"--max_steps={STEPS}", "--eval_interval=4",
+        f"--checkpoint_interval={CHECKPOINT_STEP}"]
+
+
+def muon_args(data_dir):
+    return [*MUON, f"--data_dir={data_dir}", *hellaswag_args(data_dir), "--hellaswag_interval=6"]
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is in torch 2.9+")
+@pytest.mark.parametrize("shape, splits", [((48, 32), 1), ((32, 48), 1), ((96, 32), 3)])
+def test_update_equals_torch_optim_muon(shape, splits):
+    """Five steps of ours on one matrix (or c_attn's three stacked) against torch.optim.Muon's on
+    the same matrix (or each of the three), with weight decay, adjust_lr_fn "original": equal to
+    1e-6 (the same bfloat16 arithmetic; measured bitwise on torch 2.11 and 2.13)."""
+    torch.manual_seed(0)
+    start = torch.randn(shape)
+    ours = torch.nn.Parameter(start.clone())
+    optimizer = optimizers.Muon([{"params": [ours], "splits": splits, "weight_decay": 0.1}],
+                                Replicas(0, 1), lr=0.02)
+    theirs = [torch.nn.Parameter(m.clone()) for m in start.chunk(splits)]
+    reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                                 adjust_lr_fn="original")
+    for _ in range(5):
+        grad = torch.randn(shape)
+        ours.grad = grad.clone()
+        for p, g in zip(theirs, grad.chunk(splits)):
+            p.grad = g.clone()
+        optimizer.step()
+        reference.step()
+    torch.testing.assert_close(ours.detach(), torch.cat([p.detach() for p in theirs]), rtol=0, atol=1e-6)
+    assert (ours.detach() - start).abs().max() > 0.01  # it moved
+
+
+def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values():
+    """For G = U diag(s) V^T with s in [0.1, 1] (from torch.linalg.svd), U^T orthogonalize(G) V is
+    diagonal to bfloat16 precision, with values in Muon's band of about [0.7, 1.2]."""
+    torch.manual_seed(0)
+    for m, n in ((64, 32), (32, 64)):
+        U, _, Vh = torch.linalg.svd(torch.randn(m, n), full_matrices=False)
+        s = torch.linspace(0.1, 1.0, min(m, n))
+        O = optimizers.orthogonalize(((U * s) @ Vh)[None])[0].float()
+        D = U.T @ O @ Vh.T
+        diagonal = D.diagonal()
+        assert diagonal.min() > 0.6 and diagonal.max() < 1.25, diagonal
+        assert (D - torch.diag(diagonal)).abs().max() < 0.03
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    config = load_config([*MUON, "--n_layer=2"])
+    model = GPT(config)
+    groups = optimizers.param_groups(model, config)
+    muon = [g for g in groups if g.get("muon")]
+    assert groups[-len(muon):] == muon  # Muon's groups come last
+    blocks = model.transformer.h
+    qkv = [b.attn.c_attn.weight for b in blocks]
+    others = [w for b in blocks for w in (b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight)]
+    assert {g["splits"]: [id(p) for p in g["params"]] for g in muon} == {
+        3: [id(p) for p in qkv], 1: [id(p) for p in others]}
+    for g in muon:
+        assert g["lr_scale"] == config.muon_lr / config.max_lr and g["weight_decay"] == 0.0
+    adamw = [p for g in groups if not g.get("muon") for p in g["params"]]
+    assert {id(p) for p in adamw} == {id(p) for p in model.parameters()} - {id(p) for p in qkv + others}
+    assert any(p is model.lm_head.weight for p in adamw)  # tied with wte
+
+
+def test_owners_split_the_newton_schulz_work_evenly():
+    """GPT-2 124M's 48 matrices (c_attn as three) over 8 ranks: each matrix on one rank, the
+    largest rank's share of Newton-Schulz's work within 10% of the mean."""
+    config = load_config(["--optimizer=muon"])
+    with torch.device("meta"):
+        groups = [g for g in optimizers.param_groups(GPT(config), config) if g.get("muon")]
+    muon = optimizers.Muon(groups, Replicas(0, 8), lr=0.02)
+    load = [0] * 8
+    for group in groups:
+        for p in group["params"]:
+            load[muon.owner[p]] += optimizers.Muon.flops(group["splits"], p.shape)
+    assert len(muon.owner) == 48 and max(load) < 1.1 * sum(load) / 8
+
+
+@pytest.fixture(scope="module")
+def muon_runs(equiv_data_dir, tmp_path_factory):
+    """The MUON config in each sharding mode at world sizes 1, 2 and 4, and the folder of each."""
+    out = tmp_path_factory.mktemp("muon")
+    return {mode: (compare([*muon_args(equiv_data_dir), f"--sharding={mode}"], [1, 2, 4], out / mode),
+                   out / mode) for mode in ("ddp", "zero2", "fsdp")}
+
+
+@pytest.mark.compat
+def test_muon_trains_bitwise_the_same_model_at_every_world_size_and_mode(muon_runs):
+    reference = muon_runs["ddp"][0][1]
+    assert reference["loss"][-1] < reference["loss"][0] and len(reference["val_loss"]) == 4
+    for mode, (runs, _) in muon_runs.items():
+        for n in (1, 2, 4):
+            assert_bitwise_same_run(runs[n], reference)
+    weights = {mode: torch.load(sorted((out / "world_size_1").glob("ckpt_*.pt"))[-1],
+                                weights_only=True)["model"] for mode, (_, out) in muon_runs.items()}
+    for mode in ("zero2", "fsdp"):
+        assert all(torch.equal(weights[mode][k], weights["ddp"][k]) for k in weights["ddp"]), mode
+
+
+@pytest.mark.parametrize("mode, world_size, resume_mode, resume_world_size",
+                         [("zero2", 2, "ddp", 1), ("fsdp", 4, "fsdp", 2)])
+def test_muon_checkpoints_resume_bitwise_at_another_world_size(muon_runs, equiv_data_dir, tmp_path, mode,
+                                                              world_size, resume_mode, resume_world_size):
+    """Muon's momentum, sharded by zero2 and fsdp, is saved whole: a zero2 checkpoint resumes in
+    ddp in one process, an fsdp one at another world size, and the run goes on bitwise."""
+    runs, out = muon_runs[mode]
+    for name in (f"ckpt_{CHECKPOINT_STEP:07d}.pt", "log.jsonl"):
+        shutil.copy(out / f"world_size_{world_size}" / name, tmp_path)
+    proc = run_training([*muon_args(equiv_data_dir), f"--out_dir={tmp_path}", f"--sharding={resume_mode}"],
+                        nproc=resume_world_size)
+    assert "resumed from" in proc.stdout
+    steps, evals = read_log(tmp_path)
+    assert [s["loss"] for s in steps] == runs[world_size]["loss"]
+    assert [e["val_loss"] for e in evals] == runs[world_size]["val_loss"]
+    final = f"ckpt_{STEPS:07d}.pt"
+    ours = torch.load(tmp_path / final, weights_only=True)["model"]
+    reference = torch.load(out / f"world_size_{world_size}" / final, weights_only=True)["model"]
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+def test_activation_checkpointing_changes_no_number_with_muon(muon_runs, equiv_data_dir, tmp_path):
+    result = compare([*muon_args(equiv_data_dir), "--activation_checkpointing=true"], [1], tmp_path)[1]
+    assert_bitwise_same_run(result, muon_runs["ddp"][0][1])
+    final = f"ckpt_{STEPS:07d}.pt"
+    ours = torch.load(tmp_path / "world_size_1" / final, weights_only=True)["model"]
+    reference = torch.load(muon_runs["ddp"][1] / "world_size_1" / final, weights_only=True)["model"]
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+def test_the_other_optimizer_is_refused_and_init_from_takes_the_weights(muon_runs, equiv_data_dir,
+                                                                      tmp_path):
+    """Resuming a Muon run with AdamW fails in one line that names --init_from; a new out_dir
+    with init_from set to the old one starts from its weights (val loss far below a fresh
+    model's ln(512) = 6.24, near the old run's last)."""
+    old = muon_runs["ddp"][1] / "world_size_1"
+    args = [*muon_args(equiv_data_dir), "--optimizer=adamw", f"--max_steps={STEPS + 2}"]
+    with pytest.raises(UserError) as refused:
+        run_training([*args, f"--out_dir={old}"])
+    message = refused.value.args[0].strip().splitlines()[-1]
+    assert "trained with optimizer=muon" in message and f"--init_from={old}" in message
+    run_training([*args, f"--out_dir={tmp_path}", f"--init_from={old}", "--max_steps=1"])
+    first_val_loss = read_log(tmp_path)[1][0]["val_loss"]
+    assert abs(first_val_loss - muon_runs["ddp"][0][1]["val_loss"][-1]) < 0.2 < 6.24 - first_val_loss

@@ -1,14 +1,16 @@
 """
 Benchmarks short trainings of one config in several variants and prints one table: tokens/s
 (median of the steps after warm-up), ms/step, MFU, peak GPU memory, and where a step's time goes
-(data, forward and backward, waiting for the gradient all-reduce, optimizer), the optimizer
-state one rank holds, and the bytes one rank hands to collectives per step.
+(data, forward and backward, waiting for the gradient all-reduce, optimizer, and of that
+Muon's Newton-Schulz iterations on the matrices rank 0 owns), the optimizer state one rank holds,
+and the bytes one rank hands to collectives per step.
 
     python scripts/bench.py configs/gpt2_124m.toml --nproc 1                  # one GPU
     python scripts/bench.py configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
     python scripts/bench.py configs/shakespeare_cpu.toml --nproc 2 --variants eager compile
     python scripts/bench.py configs/gpt2_124m.toml --variants compile --micro-batch-sizes 16 32 64
     python scripts/bench.py configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
+    python scripts/bench.py configs/gpt2_124m.toml --variants adamw muon
 
 Each variant is a run of train_gpt2.py (torchrun when --nproc > 1) with the config, the variant's
 overrides, `--profile=true` and the extra `--key=value` arguments given here. Steps 3-5 are
@@ -41,6 +43,8 @@ VARIANTS = {
     "ddp": ["--sharding=ddp"],
     "zero2": ["--sharding=zero2"],
     "fsdp": ["--sharding=fsdp"],
+    "adamw": ["--optimizer=adamw"],
+    "muon": ["--optimizer=muon"],
 }
 
 
@@ -76,7 +80,8 @@ def time_split(events):
     """Per-step milliseconds of the loop's record_function ranges in the profiled steps.
 
     GPU time (gpu_user_annotation) where the trace has it, else CPU time (user_annotation).
-    Returns data, fwd_bwd, allreduce_wait (None without a non-syncing micro-step), optimizer.
+    Returns data, fwd_bwd, allreduce_wait (None without a non-syncing micro-step), optimizer,
+    newton_schulz (None without Muon).
     """
     cat = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
            else "user_annotation")
@@ -90,7 +95,9 @@ def time_split(events):
     fwd_bwd = (sum(nosync) + sum(sync) - (wait or 0) * len(sync)) / PROFILED_STEPS
     return {"data": sum(durations.get("data", [])) / PROFILED_STEPS, "fwd_bwd": fwd_bwd,
             "allreduce_wait": max(wait, 0.0) if wait is not None else None,
-            "optimizer": sum(durations.get("optimizer", [])) / PROFILED_STEPS}
+            "optimizer": sum(durations.get("optimizer", [])) / PROFILED_STEPS,
+            "newton_schulz": (sum(durations["newton_schulz"]) / PROFILED_STEPS
+                              if "newton_schulz" in durations else None)}
 
 
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8}
@@ -98,9 +105,11 @@ ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "l
 
 def comm_bytes(events):
     """Bytes the master hands to collectives per profiled step: each all-reduce's tensor, each
-    reduce-scatter's input and each all-gather's output, from the c10d ops of a trace recorded
-    with shapes. c10d's all-reduce records a tensor list without its dtype; the backend's own
-    event for it (gloo:all_reduce, nccl:all_reduce) has it, matched by element count."""
+    reduce-scatter's input and each all-gather's output, and Muon's bfloat16 pieces (broadcast
+    in ddp; gathered to and scattered from owners in zero2 and fsdp, this rank's piece), from the
+    c10d ops of a trace recorded with shapes. c10d's all-reduce records a tensor list without its
+    dtype; the backend's own event for it (gloo:all_reduce, nccl:all_reduce) has it, matched by
+    element count."""
     ops = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")]
     all_reduce_types = {}
     for e in events:
@@ -115,6 +124,9 @@ def comm_bytes(events):
             total += numel * ELEMENT_BYTES.get(all_reduce_types.get(numel, "float"), 4)
         elif e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
             total += max(math.prod(d) for d in dims[:2]) * ELEMENT_BYTES.get(types[0], 4)
+        elif e["name"] in ("c10d::broadcast_", "c10d::scatter_", "c10d::gather_"):
+            piece = dims[1][0] if e["name"] == "c10d::gather_" else dims[0][0]  # the input list
+            total += math.prod(piece) * 2
     return total / PROFILED_STEPS
 
 
@@ -139,7 +151,7 @@ def print_table(rows):
 
     header = (f"{'variant':<22} {'tok/s':>11} {'ms/step':>9} {'MFU':>6} {'mem GB':>7} "
               f"{'data ms':>8} {'fwd+bwd ms':>10} {'allreduce wait ms':>17} {'optim ms':>8} "
-              f"{'optim state MB':>14} {'comm MB/step':>12}")
+              f"{'NS ms':>6} {'optim state MB':>14} {'comm MB/step':>12}")
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
@@ -147,6 +159,7 @@ def print_table(rows):
         print(f"{name:<22} {r['tokens_per_sec']:>11,.0f} {r['ms_per_step']:>9.1f} {fmt(mfu, '5.1f'):>5}% "
               f"{fmt(r['mem_gb'], '.1f'):>7} {r['data']:>8.1f} {r['fwd_bwd']:>10.1f} "
               f"{fmt(r['allreduce_wait'], '.1f'):>17} {r['optimizer']:>8.1f} "
+              f"{fmt(r['newton_schulz'], '.1f'):>6} "
               f"{r['optimizer_state_mb']:>14.2f} {r['comm_mb']:>12.3f}")
 
 

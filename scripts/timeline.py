@@ -1,7 +1,8 @@
 """
 Draws the profiler traces of a run as a PNG timeline: per rank, one lane of compute (data,
-forward, backward, optimizer) and one lane of collectives (all-reduce, reduce-scatter,
-all-gather, broadcast), so that what overlaps shows at a glance. train_gpt2.py --profile=true
+forward, backward, optimizer, and in it Muon's Newton-Schulz) and one lane of collectives
+(all-reduce, reduce-scatter, all-gather, broadcast, and Muon's gather and scatter), so that what
+overlaps shows at a glance. train_gpt2.py --profile=true
 makes each rank write trace_rank{R}.json (steps 3-5) into its out_dir.
 
     torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml \
@@ -26,9 +27,10 @@ from configurator import UserError  # noqa: E402
 from plot import pyplot, save_png  # noqa: E402  (beside this script)
 
 COMPUTE = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange",
-           "optimizer": "tab:green"}
+           "optimizer": "tab:green", "newton_schulz": "tab:brown"}  # drawn in this order
+# the composite names first: "gather" is in "all_gather", "scatter" in "reduce_scatter"
 COLLECTIVES = {"all_reduce": "tab:red", "reduce_scatter": "tab:purple", "all_gather": "tab:cyan",
-               "broadcast": "tab:olive"}
+               "broadcast": "tab:olive", "gather": "tab:pink", "scatter": "gold"}
 
 
 def collective_kind(name):
@@ -94,7 +96,7 @@ def draw(traces, out, steps, title):
         compute, comm = lanes(traces[rank], steps)
         y = 2 * (len(ranks) - 1 - i)
         for lane_y, spans, colors in ((y + 1, compute, COMPUTE), (y, comm, COLLECTIVES)):
-            for kind, start, duration in spans:
+            for kind, start, duration in sorted(spans, key=lambda span: list(colors).index(span[0])):
                 ax.broken_barh([(start, max(duration, 0.05))], (lane_y + 0.1, 0.8),
                                facecolors=colors[kind], edgecolor="black", linewidth=0.2)
         labels += [(y + 0.5, f"rank {rank} collectives"), (y + 1.5, f"rank {rank} compute")]

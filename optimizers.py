@@ -125,13 +125,13 @@ class Muon(torch.optim.Optimizer):
                 update = grad.lerp(buf, group["momentum"])  # Nesterov
                 sent.append((p, group, self.matrices.to_owner(update.bfloat16(), p, self.owner[p])))
         returned = []
-        with record_function("newton_schulz"):
-            for p, group, gathered in sent:  # the owner orthogonalizes each as it arrives
-                whole = gathered()
-                if whole is not None:
+        for p, group, gathered in sent:  # the owner orthogonalizes each as it arrives
+            whole = gathered()
+            if whole is not None:
+                with record_function("newton_schulz"):
                     splits = group["splits"]
                     whole = orthogonalize(whole.view(splits, -1, whole.size(-1))).view_as(whole)
-                returned.append(self.matrices.from_owner(whole, p, self.owner[p]))
+            returned.append(self.matrices.from_owner(whole, p, self.owner[p]))
         for (p, group, _), received in zip(sent, returned):
             rows, cols = self.matrices.shape(p)
             scale = math.sqrt(max(1.0, rows / group["splits"] / cols))

@@ -33,7 +33,8 @@ def param_groups(model, config):
     """
     blocks = model.transformer.h
     matrices = [p for p in blocks.parameters() if p.dim() == 2] if config.optimizer == "muon" else []
-    adamw = [p for p in model.parameters() if p.requires_grad and id(p) not in set(map(id, matrices))]
+    to_muon = set(map(id, matrices))
+    adamw = [p for p in model.parameters() if p.requires_grad and id(p) not in to_muon]
     qkv = {id(block.attn.c_attn.weight) for block in blocks}
     groups = [
         {"params": [p for p in adamw if p.dim() >= 2], "weight_decay": config.weight_decay,

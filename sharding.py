@@ -78,7 +78,7 @@ class Pieces(Replicas):
     """zero2's and fsdp's matrices for Muon: rank r holds piece r of each matrix, and the pieces in
     rank order, each zero-padded to one size, tile the flattened matrix (zero2's flat slices, and
     FSDP's dim-0 shards, whose pieces are whole rows). The owner gathers the pieces of the update
-    and scatters those of the result: about the bytes of one all-reduce of the matrix.
+    and scatters those of the result: each rank sends one bfloat16 piece and receives one.
 
     `layout` maps each view of a matrix to (the matrix's shape, the padded piece's numel, the
     view's own shape)."""

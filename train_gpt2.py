@@ -16,6 +16,8 @@ Two nodes of 8 GPUs each, run on both nodes:
 Finetune OpenAI's GPT-2 (init_from), then sample from it (scripts/sample.py):
     python train_gpt2.py configs/finetune_shakespeare.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
+Muon for the blocks' matrices, AdamW for the rest (optimizers.py; README, "Muon"):
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --optimizer=muon
 Sharded optimizer state (ZeRO-2, written out in sharding.py) or sharded parameters too (FSDP2):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=fsdp
@@ -141,8 +143,7 @@ CONFIG_RULES = {
     **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
                                      "eval_interval", "val_batches", "sample_interval",
                                      "sample_tokens", "hellaswag_interval", "hellaswag_examples",
-                                     "muon_lr",
-                                     "checkpoint_interval", "keep_checkpoints")},
+                                     "checkpoint_interval", "keep_checkpoints", "muon_lr")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,

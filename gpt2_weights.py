@@ -50,8 +50,9 @@ def hf_dir(source):
     path = Path(source)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     if missing:
-        raise UserError(f"{source} is neither {', '.join(HUB_NAMES)} nor a Hugging Face GPT-2 "
-                        f"directory ({' and '.join(missing)} missing)")
+        raise UserError(f"{source} is neither {', '.join(HUB_NAMES)}, a checkpoint (ckpt_*.pt) or "
+                        f"out_dir of train_gpt2.py, nor a Hugging Face GPT-2 directory "
+                        f"({' and '.join(missing)} missing)")
     return path
 
 

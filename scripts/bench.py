@@ -125,7 +125,8 @@ def comm_bytes(events):
         elif e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
             total += max(math.prod(d) for d in dims[:2]) * ELEMENT_BYTES.get(types[0], 4)
         elif e["name"] in ("c10d::broadcast_", "c10d::scatter_", "c10d::gather_"):
-            piece = dims[1][0] if e["name"] == "c10d::gather_" else dims[0][0]  # the input list
+            # this rank's piece: the gather's input, the scatter's output, the broadcast's tensor
+            piece = dims[1][0] if e["name"] == "c10d::gather_" else dims[0][0]
             total += math.prod(piece) * 2
     return total / PROFILED_STEPS
 

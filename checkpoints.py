@@ -23,7 +23,8 @@ try:
 except ImportError:
     fcntl = None
 
-KEYS = ("model", "optimizer", "config", "step", "loader")  # what a checkpoint holds, besides "sha256"
+KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint holds, besides
+# "sha256"; since 2026-11-24 also "evaluated": whether the evaluations of its step ran before it
 PATTERN = "ckpt_*.pt"
 
 
@@ -121,7 +122,7 @@ def to_cpu(obj):
 
 
 def save(path, state):
-    """Writes state (a dict of KEYS) and its sha256 to `path` atomically.
+    """Writes state (a dict of KEYS and "evaluated") and its sha256 to `path` atomically.
 
     Raises UserError, with nothing written, when a floating-point value of the state is not finite
     (a run that diverged: its checkpoint would be worth less than the last one), or when the write
@@ -135,7 +136,7 @@ def save(path, state):
         raise UserError(f"the weights or optimizer state hold non-finite values at step "
                         f"{state['step']}, so {path} was not saved and the last checkpoint is "
                         f"kept: the run diverged; lower --max_lr or --grad_clip and resume")
-    state = to_cpu({key: state[key] for key in KEYS})  # once, for the checksum and the write
+    state = to_cpu(state)  # once, for the checksum and the write
     state["sha256"] = sha256(state)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
@@ -247,10 +248,11 @@ class OutDir:
         self.protected = set()
 
     def start(self, start_step, resumed_from, overwrite):
-        """Before the first step: removes temp files of killed saves; then drops the records of
-        steps >= start_step from log.jsonl (a killed run logged them after its last checkpoint;
-        they run again) and any damaged line, or, with `overwrite` (a list of checkpoints), sets
-        the log aside. The checkpoint resumed from is never pruned by this run.
+        """Before the first step: removes temp files of killed saves; then keeps in log.jsonl the
+        records up to the checkpoint resumed from, step start_step (the evaluations of its step
+        too, which ran before it was saved or, after a stop, not at all), dropping those a killed
+        run logged after it (they run again), any damaged line, and on a fresh start everything;
+        or, with `overwrite` (a list of checkpoints), sets the log aside. The checkpoint resumed from is never pruned by this run.
 
         Raises UserError when out_dir cannot be written.
         """
@@ -266,14 +268,23 @@ class OutDir:
                     os.replace(self.log_path, self.old_log)
                 return
             lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
-            kept = []
+            records = []
             for line in lines:
                 try:
-                    if json.loads(line)["step"] < start_step:
-                        kept.append(line)
+                    record = json.loads(line)
+                    records.append((int(record["step"]), record))
                 except (ValueError, KeyError, TypeError):
                     continue  # cut by a kill, or damaged: it cannot be plotted either
-            atomic_write(self.log_path, lambda f: f.write("".join(x + "\n" for x in kept).encode()))
+            # logs of before 2026-11-24 numbered the updates from 0 (only they have an update 0),
+            # and their checkpoints were saved before the evaluations of their step
+            old = any(step == 0 and "loss" in record for step, record in records)
+            if old:
+                records = [(step + ("loss" in record), record) for step, record in records]
+            last_evaluation = start_step - old
+            kept = [json.dumps({**record, "step": step}) + "\n" for step, record in records
+                    if resumed_from is not None
+                    and step <= (start_step if "loss" in record else last_evaluation)]
+            atomic_write(self.log_path, lambda f: f.write("".join(kept).encode()))
         except OSError as e:
             raise UserError(f"cannot write to out_dir {self.path}: {e.strerror}; pass a writable "
                             f"--out_dir") from None

@@ -42,9 +42,9 @@ class Metrics:
         self.write({"step": step, **result})
 
     def train_step(self, step, loss, lr, norm, dt, skipped, optimizer):
-        """Reports a training step: loss (the mean over its micro-batches), lr, norm (the
-        gradient's before clipping), dt (seconds), whether the update was skipped, and in the
-        first step the bytes of optimizer state this rank holds."""
+        """Reports the step-th update (counted from 1, as its checkpoint): loss (the mean over its
+        micro-batches), lr, norm (the gradient's before clipping), dt (seconds), whether the
+        update was skipped, and in this run's first the bytes of optimizer state this rank holds."""
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
@@ -54,11 +54,11 @@ class Metrics:
             record["mfu"] = self.flops_per_step / dt / (self.peak * self.world_size)
         if self.device.type == "cuda":
             record["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        if step == self.start_step:
+        if step == self.start_step + 1:
             record["optimizer_state_bytes"] = optimizers.state_bytes(optimizer)  # rank 0's
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
-        self.dt_avg = dt if step <= self.start_step + 1 else 0.9 * self.dt_avg + 0.1 * dt
-        eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step - 1), 1e12)))
+        self.dt_avg = dt if step <= self.start_step + 2 else 0.9 * self.dt_avg + 0.1 * dt
+        eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))
         log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e} | norm: "
             f"{norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
             + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "") + f" | eta {eta}"

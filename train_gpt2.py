@@ -71,8 +71,10 @@ from shards import max_token_ids, read_shard_header, read_tokens, split_paths
 class Config:
     """Every knob of a run. Defaults reproduce GPT-2 124M as in karpathy/build-nanogpt."""
 
-    # Every key's comment is its --help line. Intervals count optimizer steps; 0 turns the action
-    # off, and otherwise the last step always runs it. The last step always saves a checkpoint.
+    # Every key's comment is its --help line. "Step N" is the model after N optimizer updates: the
+    # train line of the N-th update, the evaluations of its weights, ckpt_N.pt. Intervals count
+    # steps; 0 turns the action off, and otherwise the last step always runs it. The last step
+    # always saves a checkpoint.
     # data and output
     data_dir: str = "data/fineweb-edu"  # shards made by prepare_data.py
     dataset: str = ""  # the shards' name prefix to train on, where data_dir holds several datasets
@@ -621,17 +623,18 @@ def resume(config, mode, train_loader):
     newer ones aside: checkpoints.newest_loadable) into the model, optimizer and train loader, on
     every rank. No RNG state is needed: every random draw after init is seeded from (seed, step...).
 
-    Returns (its step, its path), or (0, None) when resume=never or out_dir has no checkpoint.
+    Returns (its step, its path, whether the evaluations of its step ran before it was saved), or
+    (0, None, False) when resume=never or out_dir has no checkpoint.
     Raises UserError, on every rank, when none loads, when it is of another model or optimizer
     format, or when a rank cannot read the one rank 0 chose. A collective.
     """
     if config.resume == "never":
-        return 0, None
+        return 0, None, False
     master_process = not dist.is_initialized() or dist.get_rank() == 0
     found = agreed(lambda: checkpoints.newest_loadable(config.out_dir, log), master_only=True)
     path = broadcast_object(found[0] if master_process else None)
     if path is None:
-        return 0, None
+        return 0, None, False
 
     def load():
         if master_process:
@@ -660,11 +663,13 @@ def resume(config, mode, train_loader):
         raise UserError(
             f"checkpoint {path} is of another model: "
             + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
-            + "; use the checkpoint's model config, another out_dir, or resume=never")
+            + f"; to train this model, start a new run with --out_dir=NEW_DIR, or start over in "
+            f"{config.out_dir} with --resume=never --overwrite=true (deletes its checkpoints)")
     mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
     train_loader.load_state_dict(ckpt["loader"])
     log(f"resumed from {path} at step {ckpt['step']}")
-    return ckpt["step"], path
+    # checkpoints of before 2026-11-24 were saved before their step's evaluations
+    return ckpt["step"], path, ckpt.get("evaluated", False)
 
 
 def build_model(config, device, pretrained_state=None):
@@ -681,11 +686,12 @@ def build_model(config, device, pretrained_state=None):
 
 
 def start_run(config, mode, train_loader, out, existing):
-    """Resumes (resume()) and starts out_dir's log at the step it resumed at, which it returns;
-    None, with a line saying so, when the run is already complete. With overwrite, the old
+    """Resumes (resume()) and starts out_dir's log at the step it resumed at. Returns that step
+    and whether its evaluations ran before its checkpoint was saved; None, with a line saying so,
+    when the run is already complete. With overwrite, the old
     checkpoints and log stay until this run's first checkpoint (checkpoints.OutDir.start).
     A collective."""
-    start_step, resumed_from = resume(config, mode, train_loader)
+    start_step, resumed_from, evaluated = resume(config, mode, train_loader)
     if start_step >= config.max_steps:
         log(f"the run in {config.out_dir} is complete: step {start_step} of max_steps="
             f"{config.max_steps}. Raise --max_steps to train on, or start over with --resume=never "
@@ -693,7 +699,7 @@ def start_run(config, mode, train_loader, out, existing):
         return None
     agreed(lambda: out.start(start_step, resumed_from, existing if config.resume == "never" else []),
            master_only=True)
-    return start_step
+    return start_step, evaluated
 
 
 def get_lr(step, config):
@@ -707,8 +713,9 @@ def get_lr(step, config):
 
 
 def every(interval, step, config):
-    """Whether an action of this interval runs at `step`: 0 turns it off, the last step runs it."""
-    return interval > 0 and (step % interval == 0 or step == config.max_steps - 1)
+    """Whether an action of this interval runs at `step` (the updates done): 0 turns it off, the
+    last step (max_steps) runs it."""
+    return interval > 0 and (step % interval == 0 or step == config.max_steps)
 
 
 def evaluate(model, val_loader, val_batches, autocast, sum_dtype):
@@ -743,13 +750,13 @@ def sample(model, prompt, config, step, device):
     return gpt2_encoding().decode(tokens[0].tolist())
 
 
-def save_checkpoint(out, step, mode, config, train_loader):
+def save_checkpoint(out, step, mode, config, train_loader, evaluated):
     """Saves the checkpoint of `step` (checkpoints.OutDir.save) and returns its step. Every rank
     calls it: the sharded modes gather their state into full tensors first, and all ranks stop if
     it fails."""
     model_state, optimizer_state = mode.state_dict()
     state = {"model": model_state, "optimizer": optimizer_state, "config": dataclasses.asdict(config),
-             "step": step, "loader": train_loader.state_dict()}
+             "step": step, "loader": train_loader.state_dict(), "evaluated": evaluated}
     path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
     log(f"saved {path}")
     return step
@@ -768,7 +775,7 @@ def diverged(step, skipped, loss, norm, last_saved, config):
 
 
 def start_profiler(config, rank):
-    """A torch.profiler of steps 3, 4 and 5 of this run, after warm-up, writing
+    """A torch.profiler of this run's updates 4, 5 and 6, after warm-up, writing
     {out_dir}/trace_rank{rank}.json (scripts/timeline.py draws it); None unless config.profile."""
     if not config.profile:
         return None
@@ -838,9 +845,10 @@ def train(config, rank, world_size, device):
     optimizer = mode.shard_optimizer(optimizers.param_groups(raw_model, config), functools.partial(
         optimizers.make_optimizer, config=config, device=device))
     log(memory_plan.summary(config, world_size, device.type))
-    start_step = start_run(config, mode, train_loader, out, existing)
-    if start_step is None:
+    started = start_run(config, mode, train_loader, out, existing)
+    if started is None:
         return 0
+    start_step, evaluated = started
     metrics = Metrics(out if rank == 0 else None, config, world_size, device,
                       raw_model.flops_per_token(config.seq_len) * config.total_batch_size,
                       peak_flops(device), start_step)
@@ -852,18 +860,34 @@ def train(config, rank, world_size, device):
     last_saved = start_step  # the step of out_dir's newest checkpoint, 0 for none
     stop, stop_signals = False, catch_stop_signals()
     stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
-    for step in range(start_step, config.max_steps):
-        if every(config.eval_interval, step, config):
+    for step in range(start_step, config.max_steps + 1):  # step: the optimizer updates done
+        last_step = step == config.max_steps
+        # saves come after the step's evaluations, but a stop's, which leaves them to the run
+        # that resumes (if it is not the last step)
+        measure = (not stop or last_step) and (step > start_step or not evaluated)
+        if measure and every(config.eval_interval, step, config):
             val_loss = evaluate(raw_model, val_loader, config.val_batches, autocast, sum_dtype)
             metrics.evaluation(step, {"val_loss": val_loss}, f"val loss {val_loss:.4f}")
-        if every(config.hellaswag_interval, step, config):
+        if measure and every(config.hellaswag_interval, step, config):
             result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
                                         autocast)
             raw_model.train()
             metrics.evaluation(step, result, hellaswag.summary(result))
-        if every(config.sample_interval, step, config) and step > 0:
+        if measure and every(config.sample_interval, step, config) and step > 0:
             text = sample(raw_model, prompt, config, step, device)  # on every rank: FSDP gathers
             log(f"sample at step {step}: {text!r}")
+        # a stop or the last step always saves (a skipped update left the weights as they were);
+        # the interval does not during a run of skipped updates, which may be a divergence
+        if step > start_step and (stop or last_step or (
+                not skipped and every(config.checkpoint_interval, step, config))):
+            last_saved = save_checkpoint(out, step, mode, config, train_loader, measure)
+        if stop:
+            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
+            log(f"stopped by {signal.Signals(signum).name} after step {step}, which is saved; "
+                f"rerun the same command to resume")
+            break
+        if last_step:
+            break
 
         t0 = time.time()
         optimizer.zero_grad()
@@ -905,22 +929,12 @@ def train(config, rank, world_size, device):
         skipped = 0 if finite else skipped + 1
         if device.type == "cuda":
             torch.cuda.synchronize()
-        metrics.train_step(step, loss_value, lr, norm, time.time() - t0, not finite, optimizer)
+        metrics.train_step(step + 1, loss_value, lr, norm, time.time() - t0, not finite, optimizer)
         if profiler:
             profiler.step()
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
-            raise diverged(step, skipped, loss_value, norm, last_saved, config)
+            raise diverged(step + 1, skipped, loss_value, norm, last_saved, config)
         stop = stop > 0
-        # a stop or the last step always saves (a skipped update left the weights as they were);
-        # the interval does not during a run of skipped updates, which may be a divergence
-        if stop or step + 1 == config.max_steps or (not skipped and config.checkpoint_interval > 0
-                                                    and (step + 1) % config.checkpoint_interval == 0):
-            last_saved = save_checkpoint(out, step + 1, mode, config, train_loader)
-        if stop:
-            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
-            log(f"stopped by {signal.Signals(signum).name} after step {step}: the checkpoint of "
-                f"step {step + 1} is saved; rerun the same command to resume")
-            break
     if profiler:
         profiler.stop()
     if dist.is_initialized():

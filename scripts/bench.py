@@ -34,7 +34,7 @@ import runs  # noqa: E402
 from configurator import UserError  # noqa: E402
 
 PROFILED_STEPS = 3  # train_gpt2.py's profiler schedule: wait 2, warm up 1, record 3
-FIRST_TIMED_STEP = 6
+UNTIMED_STEPS = 6  # compilation, warm-up and the profiled steps
 
 VARIANTS = {
     "eager": ["--compile=false"],
@@ -66,7 +66,7 @@ def run(name, overrides, args, train_args):
     out = Path(args.out_dir) / name
     if out.exists():
         shutil.rmtree(out)
-    runs.train([*train_args, *overrides, f"--max_steps={FIRST_TIMED_STEP + args.steps}",
+    runs.train([*train_args, *overrides, f"--max_steps={UNTIMED_STEPS + args.steps}",
                 "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                 "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
                args.nproc)
@@ -132,7 +132,7 @@ def comm_bytes(events):
 
 
 def summarize(records, trace_path):
-    timed = [r for r in records if "loss" in r and r["step"] >= FIRST_TIMED_STEP]
+    timed = [r for r in records if "loss" in r and r["step"] > UNTIMED_STEPS]
     row = {
         "optimizer_state_mb": records[0]["optimizer_state_bytes"] / 2**20,
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),

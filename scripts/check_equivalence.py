@@ -35,15 +35,16 @@ def train(world_size, train_args, out_dir, python=sys.executable):
 
 
 def compare(train_args, world_sizes, out_root):
-    """Trains at each world size; returns {world_size: {"loss", "grad_norm", "val_loss",
-    "hellaswag", "max_param_diff"}}: the losses and gradient norms (before clipping) as lists per
-    step, the HellaSwag results as (acc_norm, acc, examples) per evaluation (none unless
+    """Trains at each world size; returns {world_size: {"step", "loss", "grad_norm", "val_loss",
+    "hellaswag", "max_param_diff"}}: the steps (from 1) with their losses and gradient norms
+    (before clipping) as lists, the HellaSwag results as (acc_norm, acc, examples) per evaluation (none unless
     hellaswag_interval is set), and the largest absolute weight difference to world size 1."""
     trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
     ref_model = trained[world_sizes[0]][-1]
     results = {}
     for n, (steps, evals, hellaswag, model) in trained.items():
         results[n] = {
+            "step": [r["step"] for r in steps],
             "loss": [r["loss"] for r in steps],
             "grad_norm": [r["grad_norm"] for r in steps],
             "val_loss": [r["val_loss"] for r in evals],
@@ -60,8 +61,8 @@ def print_table(results):
     ref = results[sizes[0]]
     print(f"{'step':>5} | {f'loss (world size {sizes[0]})':>22} | "
           + " | ".join(f"{f'|diff| world size {n}':>22}" for n in sizes[1:]))
-    for step, loss in enumerate(ref["loss"]):
-        diffs = [abs(results[n]["loss"][step] - loss) for n in sizes[1:]]
+    for i, (step, loss) in enumerate(zip(ref["step"], ref["loss"])):
+        diffs = [abs(results[n]["loss"][i] - loss) for n in sizes[1:]]
         print(f"{step:5d} | {loss:22.9f} | " + " | ".join(f"{d:22.3e}" for d in diffs))
     for name in ("loss", "val_loss"):
         worst = [max((abs(a - b) for a, b in zip(results[n][name], ref[name])), default=0.0)

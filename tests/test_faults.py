@@ -78,7 +78,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, u
     assert "resumed from" in output
     steps, evals = read_log(tmp_path)
     ref_steps, ref_evals = uninterrupted
-    assert [s["step"] for s in steps] == list(range(STEPS))  # replayed steps logged once
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))  # replayed steps logged once
     assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
@@ -95,14 +95,14 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_rerun_continues_bitwise(
     output = proc.communicate(timeout=120)[0]
     steps, _ = read_log(tmp_path)
     last = steps[-1]["step"]
-    assert f"stopped by SIGTERM after step {last}: the checkpoint of step {last + 1} is saved; " \
-           f"rerun the same command to resume" in output
-    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{last + 1:07d}.pt"]
+    assert f"stopped by SIGTERM after step {last}, which is saved; rerun the same command to " \
+           f"resume" in output
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{last:07d}.pt"]
     assert "Traceback" not in output.split("stopped by SIGTERM")[0]  # the workers raised nothing
     run_training(args, nproc=2)
     steps, evals = read_log(tmp_path)
     ref_steps, ref_evals = uninterrupted
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
@@ -153,7 +153,7 @@ def test_resume_on_another_world_size_continues_bitwise_the_same_run(data_dir, u
     assert "resumed from" in out
     steps, evals = read_log(tmp_path)
     ref_steps, ref_evals = uninterrupted
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["loss"] for s in steps] == [s["loss"] for s in ref_steps]
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
@@ -164,7 +164,7 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     run_training(args)
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
-    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "sha256"}
+    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "evaluated", "sha256"}
     assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64}
 
     # rerunning a finished run says so, trains nothing and succeeds
@@ -185,7 +185,7 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     assert proc.returncode == 1 and "--overwrite=true to start over" in proc.stderr
     run_training([*args, "--resume=never", "--overwrite=true", "--max_steps=2"])
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
-    assert [s["step"] for s in read_log(tmp_path)[0]] == [0, 1]
+    assert [s["step"] for s in read_log(tmp_path)[0]] == [1, 2]
 
     # a truncated newest checkpoint (not one of ours: ours are written atomically) is named in a
     # warning and the run resumes from the one before; when none loads, one line says so
@@ -194,13 +194,41 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     out = run_training([*args, "--max_steps=3"]).stdout
     assert f"warning: cannot load checkpoint {tmp_path}/ckpt_0000002.pt (RuntimeError: " in out
     assert f"resumed from {tmp_path}/ckpt_0000001.pt at step 1" in out
-    assert [s["step"] for s in read_log(tmp_path)[0]] == [0, 1, 2]
+    assert [s["step"] for s in read_log(tmp_path)[0]] == [1, 2, 3]
     for path in tmp_path.glob("ckpt_*.pt"):
         path.write_bytes(b"")
     proc = subprocess.run([sys.executable, "train_gpt2.py", *args], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: no checkpoint in {tmp_path} can be loaded" in proc.stderr
+
+
+def test_resume_keeps_the_log_up_to_its_checkpoint_and_renumbers_old_logs(tmp_path):
+    """Resuming from ckpt_4 keeps the records of steps <= 4 (the evaluations of step 4 ran before
+    it was saved) and drops the rest; a log of before 2026-11-24 numbered the updates from 0 and
+    saved ckpt_4 before evaluating step 4, so its updates are renumbered from 1 and its evaluation
+    of step 4, which the resumed run makes again, is dropped. A fresh start keeps nothing."""
+    import checkpoints
+
+    def kept(records, resumed_from):
+        out = checkpoints.OutDir(tmp_path)
+        out.log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        out.start(4 if resumed_from else 0, resumed_from, [])
+        out.lock.close()
+        return [(r["step"], "loss" in r) for r in map(json.loads, out.log_path.read_text().splitlines())]
+
+    def train(step):
+        return {"step": step, "loss": 1.0}
+
+    def val(step):
+        return {"step": step, "val_loss": 2.0}
+
+    ckpt = tmp_path / "ckpt_0000004.pt"
+    new = [val(0), *map(train, range(1, 5)), val(4), train(5), train(6)]
+    assert kept(new, ckpt) == [(0, False), *((s, True) for s in range(1, 5)), (4, False)]
+    old = [val(0), *map(train, range(0, 4)), val(4), train(4), train(5)]
+    assert kept(old, ckpt) == [(0, False), *((s, True) for s in range(1, 5))]
+    assert kept(new, None) == []
 
 
 def test_resume_with_another_micro_batch_size_sees_the_same_tokens(data_dir, tmp_path):
@@ -217,7 +245,7 @@ def test_resume_with_another_micro_batch_size_sees_the_same_tokens(data_dir, tmp
     assert "resumed from" in run_training([*args, f"--out_dir={out}", "--micro_batch_size=2"]).stdout
     steps, _ = read_log(out)
     reference, _ = read_log(tmp_path / "reference")
-    assert [s["step"] for s in steps] == list(range(8))
+    assert [s["step"] for s in steps] == list(range(1, 9))
     np.testing.assert_allclose([s["loss"] for s in steps], [s["loss"] for s in reference], rtol=1e-5)
     assert [s["loss"] for s in steps][:4] == [s["loss"] for s in reference][:4]
 
@@ -343,21 +371,21 @@ def all_finite(path):
 
 @pytest.mark.compat
 def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpoint(good_run, tmp_path):
-    """lr 1e30 blows the weights up at step 4; from step 5 the loss is nan. Those updates are
+    """lr 1e30 blows the weights up in step 5; from step 6 the loss is nan. Those updates are
     skipped and logged as such, the interval saves wait, and after 3 in a row the run ends in one
     line; the checkpoint it resumed from is kept whatever keep_checkpoints says, and no checkpoint
     holds a non-finite value."""
     out, before = copy_run(good_run, tmp_path)
     err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
                       "--max_steps=20", "--max_lr=1e30", "--checkpoint_interval=1", "--keep_checkpoints=1")
-    assert ("the loss or gradient norm was not finite in steps 5-7 (loss nan, grad norm nan): the "
+    assert ("the loss or gradient norm was not finite in steps 6-8 (loss nan, grad norm nan): the "
             "run diverged; those updates were skipped. Lower --max_lr (now 1e+30) or look for bad "
             "data in those steps, and rerun to resume from the newest checkpoint (step 5)") in err
     assert (out / "ckpt_0000004.pt").read_bytes() == before["ckpt_0000004.pt"]
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000004.pt", "ckpt_0000005.pt"]
     assert all(all_finite(p) for p in out.glob("ckpt_*.pt"))
     steps, _ = read_log(out)
-    assert [s["step"] for s in steps if s.get("skipped")] == [5, 6, 7]
+    assert [s["step"] for s in steps if s.get("skipped")] == [6, 7, 8]
 
 
 @pytest.mark.compat
@@ -383,7 +411,7 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(
     assert sorted(p.name for p in out.glob("ckpt_*")) == [
         "ckpt_0000002.pt", "ckpt_0000004.pt.damaged", "ckpt_0000006.pt", "ckpt_0000009.pt.damaged"]
     assert (out / "ckpt_0000002.pt").read_bytes() == before["ckpt_0000002.pt"]
-    assert [s["step"] for s in read_log(out)[0]] == list(range(6))
+    assert [s["step"] for s in read_log(out)[0]] == list(range(1, 7))
 
 
 def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):
@@ -440,11 +468,11 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
     # a run that fails after it began (diverged) leaves the old log aside, which the next run with
     # resume=auto puts back, resuming from the old checkpoints
     err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", "--max_lr=1e30", "--max_steps=20")
-    assert "the loss or gradient norm was not finite in steps 1-3" in err
+    assert "the loss or gradient norm was not finite in steps 2-4" in err
     assert {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")} == before
     assert (out / "log.jsonl.old").read_text() == log_before
     run_training([*SMALL, f"--data_dir={data}", "--dataset=tiny", f"--out_dir={out}", "--max_steps=5"])
-    assert [s["step"] for s in read_log(out)[0]] == list(range(5)) and not (out / "log.jsonl.old").exists()
+    assert [s["step"] for s in read_log(out)[0]] == list(range(1, 6)) and not (out / "log.jsonl.old").exists()
 
     sample = ["--sample_interval=1", "--sample_prompt=", "--sample_tokens=4"]
     err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", *sample)
@@ -454,7 +482,7 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
                          "--vocab_size=50304", *sample])
     assert "sample at step 1: '<|endoftext|>" in proc.stdout
     assert sorted(p.name for p in out.glob("ckpt_*.pt")) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
-    assert [s["step"] for s in read_log(out)[0]] == [0, 1] and not (out / "log.jsonl.old").exists()
+    assert [s["step"] for s in read_log(out)[0]] == [1, 2] and not (out / "log.jsonl.old").exists()
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(good_run, tmp_path):

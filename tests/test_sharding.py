@@ -98,7 +98,7 @@ def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, sharded_runs
                              f"--sharding={resume_mode}"], nproc=world_size)
         assert "resumed from" in proc.stdout
         steps, evals = read_log(out)
-        assert [s["step"] for s in steps] == list(range(STEPS))
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
         assert [s["loss"] for s in steps] == runs[2]["loss"]
         assert [e["val_loss"] for e in evals] == runs[2]["val_loss"]
         final = f"ckpt_{STEPS:07d}.pt"

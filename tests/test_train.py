@@ -308,7 +308,7 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     # progress: each step of max_steps, and the time left at the average pace
     assert re.search(r"^step +5/6 \| loss: [\d.]+ \| .* \| tok/sec: [\d.]+ \| eta 0:00:00$", console, re.M)
     (steps1, evals1), (steps2, evals2) = read_log(tmp_path / "one"), read_log(tmp_path / "two")
-    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(6))
+    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 7))
     np.testing.assert_allclose([s["loss"] for s in steps2], [s["loss"] for s in steps1], rtol=1e-5)
     np.testing.assert_allclose([e["val_loss"] for e in evals2], [e["val_loss"] for e in evals1],
                                rtol=1e-5)

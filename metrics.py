@@ -29,7 +29,8 @@ class Metrics:
         self.flops_per_step, self.peak, self.start_step = flops_per_step, peak, start_step
         self.dt_avg = 0.0  # seconds per step, for the ETA
         if peak is None:
-            log(f"MFU not reported: no peak FLOP/s known for {device} (see PEAK_BF16_FLOPS)")
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
 
     def write(self, record):
         if self.out is not None:

@@ -115,6 +115,8 @@ class Config:
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
     overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
+    # logging: the console and log.jsonl
+    peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100, dense bf16)
     # system
     seed: int = 1337  # initial weights, dropout masks and samples derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
@@ -143,7 +145,8 @@ CONFIG_RULES = {
     **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
                                      "eval_interval", "val_batches", "sample_interval",
                                      "sample_tokens", "hellaswag_interval", "hellaswag_examples",
-                                     "checkpoint_interval", "keep_checkpoints", "muon_lr")},
+                                     "checkpoint_interval", "keep_checkpoints", "muon_lr",
+                                     "peak_flops")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
@@ -843,7 +846,7 @@ def train(config, rank, world_size, device):
         return 0
     metrics = Metrics(out if rank == 0 else None, config, world_size, device,
                       raw_model.flops_per_token(config.seq_len) * config.total_batch_size,
-                      peak_flops(device), start_step)
+                      config.peak_flops or peak_flops(device), start_step)
     profiler = start_profiler(config, rank)
 
     # -------------------------------------------------------------------------

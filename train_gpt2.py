@@ -115,7 +115,11 @@ class Config:
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
     overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
-    # logging: the console and log.jsonl
+    # logging: the console and log.jsonl always; wandb and TensorBoard beside them (docs/logging.md)
+    wandb_log: bool = False  # send every log.jsonl record to wandb (pip install wandb)
+    wandb_project: str = "gpt2"  # the wandb project the run goes to
+    wandb_run_name: str = ""  # the wandb run's name; empty: wandb makes one up (e.g. swift-river-12)
+    tensorboard: bool = False  # write every log.jsonl record as TensorBoard scalars to {out_dir}/tensorboard
     peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100, dense bf16)
     # system
     seed: int = 1337  # initial weights, dropout masks and samples derive from it
@@ -926,6 +930,7 @@ def train(config, rank, world_size, device):
             break
     if profiler:
         profiler.stop()
+    metrics.close()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
     return 128 + signum if stop else 0  # the shell's code for "ended by that signal"

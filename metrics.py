@@ -58,8 +58,8 @@ class Wandb:
     def write(self, record):
         self.run.log(record)
 
-    def close(self):
-        self.run.finish()
+    def close(self, failed):
+        self.run.finish(exit_code=1 if failed else 0)  # 1: wandb shows the run as failed
 
 
 class TensorBoard:
@@ -84,7 +84,7 @@ class TensorBoard:
             if key != "step":
                 self.writer.add_scalar(key, float(value), record["step"])
 
-    def close(self):
+    def close(self, failed):
         self.writer.close()
 
 
@@ -108,10 +108,11 @@ def open_sinks(out, config, start_step):
     return sinks
 
 
-def close_sinks(sinks):
-    """Flushes and closes each sink: the last records reach wandb's server and the event files."""
+def close_sinks(sinks, failed):
+    """Flushes and closes each sink (the last records reach wandb and the event files), telling
+    it whether an exception ended the run."""
     for sink in sinks:
-        sink.close()
+        sink.close(failed)
 
 
 class Metrics:
@@ -131,9 +132,14 @@ class Metrics:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
         self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []
-        # close() flushes and closes the sinks; should an exception end the run instead, it runs
-        # when this object is freed or at exit, so that the last records still reach them
-        self.close = weakref.finalize(self, close_sinks, self.sinks)
+        # should an exception end the run before close(), the sinks are closed as a failed run's
+        # when this object is freed (or at exit): their last records are not lost
+        self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)
+
+    def close(self):
+        """Flushes and closes the sinks at the end of the run (train() calls it)."""
+        self.closer.detach()
+        close_sinks(self.sinks, failed=False)
 
     def write(self, record):
         """Appends record (a dict: step and numbers) to log.jsonl and sends it to every sink."""

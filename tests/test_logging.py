@@ -2,6 +2,8 @@
 and one line when their package is missing; the peak_flops key."""
 
 import dataclasses
+import gc
+import json
 import sys
 import types
 
@@ -17,7 +19,7 @@ from train_gpt2 import GPT, UserError, load_config
 
 def fake_wandb(calls, init_error=None):
     """A stand-in for the wandb package that appends each call to `calls`: ("init", kwargs),
-    ("define_metric", name, step_metric), ("log", data), ("finish",). Its init raises
+    ("define_metric", name, step_metric), ("log", data), ("finish", exit_code). Its init raises
     wandb.errors.Error(init_error) where one is given."""
     wandb = types.ModuleType("wandb")
     wandb.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))
@@ -32,8 +34,8 @@ def fake_wandb(calls, init_error=None):
         def log(self, data):
             calls.append(("log", data))
 
-        def finish(self):
-            calls.append(("finish",))
+        def finish(self, exit_code=None):
+            calls.append(("finish", exit_code))
 
     def init(**kwargs):
         if init_error:
@@ -62,7 +64,9 @@ def assert_tensorboard_shows(log_dir, records):
     assert set(scalars) == {key for record in records for key in record} - {"step"}
     for tag, events in scalars.items():
         # TensorBoard keeps float32: each value is log.jsonl's rounded to the nearest float32
-        assert events == [(r["step"], float(np.float32(r[tag]))) for r in records if tag in r], tag
+        # (NaN equals NaN here)
+        np.testing.assert_array_equal(
+            events, [(r["step"], np.float32(r[tag])) for r in records if tag in r], err_msg=tag)
 
 
 @pytest.fixture
@@ -122,7 +126,7 @@ def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path
         assert init["config"] == dataclasses.asdict(load_config([*common,
                                                                  f"--max_steps={max_steps}"]))
         assert run[1:3] == [("define_metric", "step", None), ("define_metric", "*", "step")]
-        assert run[-1] == ("finish",)
+        assert run[-1] == ("finish", 0)
 
     assert_tensorboard_shows(out / "tensorboard", final)
     assert {"mfu", "hellaswag_acc_norm", "val_loss", "grad_norm"} <= {k for r in final for k in r}
@@ -131,6 +135,27 @@ def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path
     for r in final:
         if "loss" in r:
             assert r["mfu"] == pytest.approx(flops_per_step / (r["dt_ms"] / 1000) / peak, rel=1e-9)
+
+
+def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, monkeypatch,
+                                                          one_thread):
+    """A run that diverges (3 non-finite steps in a row at max_lr 1e30) ends in a UserError: once
+    the traceback that holds its Metrics is freed, TensorBoard shows every record of log.jsonl
+    and the wandb run is finished as failed."""
+    pytest.importorskip("tensorboard")
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    with pytest.raises(UserError, match="the run diverged"):
+        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                          "--total_batch_size=64", "--max_steps=20", "--max_lr=1e30",
+                          "--tensorboard=true", "--wandb_log=true"])
+    gc.collect()  # the traceback's frames hold the Metrics in reference cycles
+    records = runs.read_log(tmp_path)
+    assert any(r.get("skipped") for r in records)
+    assert calls[-1] == ("finish", 1)
+    logged = [call[1] for call in calls if call[0] == "log"]
+    assert json.dumps(logged) == json.dumps(records)  # NaN losses: as text, NaN equals NaN
+    assert_tensorboard_shows(tmp_path / "tensorboard", records)
 
 
 def test_real_wandb_offline_and_tensorboard_log_from_rank_0_alone(tmp_path, tiny_data,

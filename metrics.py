@@ -1,16 +1,23 @@
 """
 What a run reports: a console line per training step and per evaluation, printed by rank 0, and
 the same numbers as one JSON record a line in {out_dir}/log.jsonl (checkpoints.OutDir.log), which
-scripts/plot.py draws and runs.read_log reads. Another sink (wandb, TensorBoard) is one more call
-in Metrics.write.
+scripts/plot.py draws and runs.read_log reads. With wandb_log or tensorboard, rank 0 sends each
+record to wandb or TensorBoard too (docs/logging.md); another sink is one more class like Wandb.
 """
 
+import dataclasses
+import json
 import os
+import weakref
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 import optimizers
+from atomic import atomic_write
+from collectives import agreed
+from configurator import UserError
 
 
 def log(*args):
@@ -19,21 +26,127 @@ def log(*args):
         print(*args, flush=True)
 
 
+class Wandb:
+    """A wandb run that receives every record, with the record's `step` as the x-axis of its
+    charts. Its id is kept in {out_dir}/wandb_run_id, so that a run resumed from a checkpoint goes
+    on logging to the same wandb run; a run that starts at step 0 starts a new one.
+
+    Raises UserError when the wandb package is missing or wandb.init fails (no API key, say)."""
+
+    def __init__(self, config, resumed):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("wandb_log=true needs the wandb package: pip install wandb") from None
+        id_path = Path(config.out_dir) / "wandb_run_id"
+        run_id = id_path.read_text().strip() if resumed and id_path.exists() else None
+        try:
+            self.run = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None,
+                                  config=dataclasses.asdict(config), id=run_id, resume="allow",
+                                  dir=config.out_dir)
+        except wandb.errors.Error as e:
+            raise UserError(f"wandb.init failed: {(str(e).strip().splitlines() or [''])[0]}; set "
+                            f"WANDB_MODE=offline to log without a wandb server (`wandb sync` "
+                            f"uploads the run later)") from None
+        if run_id is None:
+            atomic_write(id_path, lambda f: f.write(self.run.id.encode()))
+        # wandb's own step counts log calls, and a resumed run logs steps again that the run
+        # before it logged after its last checkpoint: the charts take the record's step instead
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def write(self, record):
+        self.run.log(record)
+
+    def close(self, failed):
+        self.run.finish(exit_code=1 if failed else 0)  # 1: wandb shows the run as failed
+
+
+class TensorBoard:
+    """TensorBoard event files under {out_dir}/tensorboard, a scalar per key of each record (the
+    key is its tag) at the record's step. The events of steps >= first_step that an earlier run
+    wrote (after its last checkpoint, before it was killed) are hidden, as they are cut from
+    log.jsonl.
+
+    Raises UserError when the tensorboard package is missing."""
+
+    def __init__(self, config, first_step):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("tensorboard=true needs the tensorboard package: pip install "
+                            "tensorboard") from None
+        self.writer = SummaryWriter(log_dir=str(Path(config.out_dir) / "tensorboard"),
+                                    purge_step=first_step)
+
+    def write(self, record):
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, float(value), record["step"])
+
+    def close(self, failed):
+        self.writer.close()
+
+
+def first_unlogged_step(log_path):
+    """1 + the largest step of log.jsonl's records, 0 for none. Called after OutDir.start, which
+    cut the records of the steps that this run logs again (and any damaged line): so the first
+    step this run may log, whichever step its first record has."""
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    return max((json.loads(line)["step"] for line in lines), default=-1) + 1
+
+
+def open_sinks(out, config, start_step):
+    """The sinks config asks for besides log.jsonl, on rank 0. Raises UserError as they do."""
+    sinks = []
+    # TensorBoard first: a missing package then stops the run before wandb.init makes a run
+    # that would stay empty
+    if config.tensorboard:
+        sinks.append(TensorBoard(config, first_unlogged_step(out.log_path)))
+    if config.wandb_log:
+        sinks.append(Wandb(config, resumed=start_step > 0))
+    return sinks
+
+
+def close_sinks(sinks, failed):
+    """Flushes and closes each sink (the last records reach wandb and the event files), telling
+    it whether an exception ended the run."""
+    for sink in sinks:
+        sink.close(failed)
+
+
 class Metrics:
-    """The reports of a run from start_step on. out: rank 0's checkpoints.OutDir (None on the other
-    ranks, which write no records); flops_per_step: training FLOPs per optimizer step; peak: the
-    device's peak FLOP/s, or None where it is not known (then no MFU is reported)."""
+    """The reports of a run from start_step (the step of the checkpoint it resumed from, 0 for
+    none) on. out: rank 0's checkpoints.OutDir (None on the other ranks, which write no records);
+    flops_per_step: training FLOPs per optimizer step; peak: the device's peak FLOP/s, or None
+    where it is not known (then no MFU is reported).
+
+    Opens the sinks of wandb_log and tensorboard on rank 0; raises UserError, on every rank, when
+    one cannot be opened (a collective). Call close() at the end of the run."""
 
     def __init__(self, out, config, world_size, device, flops_per_step, peak, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
         self.flops_per_step, self.peak, self.start_step = flops_per_step, peak, start_step
         self.dt_avg = 0.0  # seconds per step, for the ETA
         if peak is None:
-            log(f"MFU not reported: no peak FLOP/s known for {device} (see PEAK_BF16_FLOPS)")
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
+        self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []
+        # should an exception end the run before close(), the sinks are closed as a failed run's
+        # when this object is freed (or at exit): their last records are not lost
+        self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)
+
+    def close(self):
+        """Flushes and closes the sinks at the end of the run (train() calls it)."""
+        self.closer.detach()
+        close_sinks(self.sinks, failed=False)
 
     def write(self, record):
+        """Appends record (a dict: step and numbers) to log.jsonl and sends it to every sink."""
         if self.out is not None:
             self.out.log(record)
+        for sink in self.sinks:
+            sink.write(record)
 
     def evaluation(self, step, result, text):
         """Reports an evaluation at `step`: result is its record's fields (val_loss, or

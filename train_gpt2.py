@@ -117,6 +117,12 @@ class Config:
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
     overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
+    # logging: the console and log.jsonl always; wandb and TensorBoard beside them (docs/logging.md)
+    wandb_log: bool = False  # send every log.jsonl record to wandb (pip install wandb)
+    wandb_project: str = "gpt2"  # the wandb project the run goes to
+    wandb_run_name: str = ""  # the wandb run's name; empty: wandb makes one up (e.g. swift-river-12)
+    tensorboard: bool = False  # write every log.jsonl record as TensorBoard scalars to {out_dir}/tensorboard
+    peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100, dense bf16)
     # system
     seed: int = 1337  # initial weights, dropout masks and samples derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
@@ -145,7 +151,8 @@ CONFIG_RULES = {
     **{key: NON_NEGATIVE for key in ("max_lr", "min_lr", "warmup_steps", "weight_decay",
                                      "eval_interval", "val_batches", "sample_interval",
                                      "sample_tokens", "hellaswag_interval", "hellaswag_examples",
-                                     "checkpoint_interval", "keep_checkpoints", "muon_lr")},
+                                     "checkpoint_interval", "keep_checkpoints", "muon_lr",
+                                     "peak_flops")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
@@ -851,7 +858,7 @@ def train(config, rank, world_size, device):
     start_step, evaluated = started
     metrics = Metrics(out if rank == 0 else None, config, world_size, device,
                       raw_model.flops_per_token(config.seq_len) * config.total_batch_size,
-                      peak_flops(device), start_step)
+                      config.peak_flops or peak_flops(device), start_step)
     profiler = start_profiler(config, rank)
 
     # -------------------------------------------------------------------------
@@ -937,6 +944,7 @@ def train(config, rank, world_size, device):
         stop = stop > 0
     if profiler:
         profiler.stop()
+    metrics.close()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
     return 128 + signum if stop else 0  # the shell's code for "ended by that signal"

@@ -49,6 +49,7 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--sharding=zero3"], "'sharding' must be ddp, zero2 or fsdp, got 'zero3'"),
     (["--max_steps=1e30"], "cannot read '1e30' as int"),  # beyond int64: OverflowError mid-run
     (["--collective_timeout_s=1e14"], "'collective_timeout_s' must be > 0 and <= 1e8"),
+    (["--peak_flops=-1"], "'peak_flops' must be >= 0, got -1.0"),
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
@@ -359,7 +360,8 @@ def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys)
     steps, _ = read_log(tmp_path)
     assert all("mfu" not in s for s in steps)
     out = capsys.readouterr().out
-    assert out.count("MFU not reported") == 1 and "| mfu: " not in out
+    assert out.count("MFU not reported: no peak FLOP/s known for cpu; pass --peak_flops=<FLOP/s>") == 1
+    assert "| mfu: " not in out
 
 
 def test_ddp_bucket_options_train_the_same_model(tiny_data, tmp_path):

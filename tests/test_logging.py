@@ -1,0 +1,206 @@
+"""wandb and TensorBoard beside log.jsonl: the same numbers, across a resume, from rank 0 alone,
+and one line when their package is missing; the peak_flops key."""
+
+import dataclasses
+import gc
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import runs
+import train_gpt2
+from conftest import TINY, run_training, write_hellaswag
+from train_gpt2 import GPT, UserError, load_config
+
+
+def fake_wandb(calls, init_error=None):
+    """A stand-in for the wandb package that appends each call to `calls`: ("init", kwargs),
+    ("define_metric", name, step_metric), ("log", data), ("finish", exit_code). Its init raises
+    wandb.errors.Error(init_error) where one is given."""
+    wandb = types.ModuleType("wandb")
+    wandb.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))
+
+    class Run:
+        def __init__(self, run_id):
+            self.id = run_id
+
+        def define_metric(self, name, step_metric=None):
+            calls.append(("define_metric", name, step_metric))
+
+        def log(self, data):
+            calls.append(("log", data))
+
+        def finish(self, exit_code=None):
+            calls.append(("finish", exit_code))
+
+    def init(**kwargs):
+        if init_error:
+            raise wandb.errors.Error(init_error)
+        calls.append(("init", kwargs))
+        return Run(kwargs["id"] or f"run{len(calls)}")
+
+    wandb.init = init
+    return wandb
+
+
+def tensorboard_scalars(log_dir):
+    """{tag: [(step, value)]} of the event files in log_dir, as TensorBoard shows them (the events
+    a resumed run purged left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep all
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def assert_tensorboard_shows(log_dir, records):
+    """TensorBoard's scalars in log_dir are exactly `records` (log.jsonl's): a tag per key, one
+    event per record that has it, at the record's step."""
+    scalars = tensorboard_scalars(log_dir)
+    assert set(scalars) == {key for record in records for key in record} - {"step"}
+    for tag, events in scalars.items():
+        # TensorBoard keeps float32: each value is log.jsonl's rounded to the nearest float32
+        # (NaN equals NaN here)
+        np.testing.assert_array_equal(
+            events, [(r["step"], np.float32(r[tag])) for r in records if tag in r], err_msg=tag)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread in this process, as run_training's OMP_NUM_THREADS=1: on a busy machine
+    more threads make a tiny model's steps several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_in_process(args):
+    """train_gpt2.main(args) in this process (no interpreter and torch to start: the fake wandb
+    module is seen, too). Raises UserError as it does."""
+    assert train_gpt2.main(args) == 0
+
+
+def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path, tiny_data,
+                                                                        monkeypatch, one_thread):
+    """A run to step 6 with both sinks (wandb: the stand-in), its last checkpoint removed as if it
+    had been killed after logging the steps past its checkpoint of step 4; then a run to step 8
+    resumes from step 4 and logs other values there (its lr schedule is longer). TensorBoard
+    then shows exactly the records of log.jsonl, and wandb got each run's records in one run."""
+    pytest.importorskip("tensorboard")
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    write_hellaswag(tiny_data / "hellaswag.jsonl", 5)
+    out = tmp_path / "out"
+    peak = 1e9
+    common = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--total_batch_size=64",
+              "--checkpoint_interval=4", "--hellaswag_interval=4",
+              f"--hellaswag_path={tiny_data / 'hellaswag.jsonl'}", f"--peak_flops={peak}",
+              "--tensorboard=true", "--wandb_log=true"]
+    train_in_process([*common, "--max_steps=6"])
+    first = runs.read_log(out)
+    max(out.glob("ckpt_*.pt")).unlink()
+    train_in_process([*common, "--max_steps=8"])
+    final = runs.read_log(out)
+
+    inits = [i for i, call in enumerate(calls) if call[0] == "init"]
+    assert len(inits) == 2
+    runs_calls = [calls[:inits[1]], calls[inits[1]:]]
+    logged = [[call[1] for call in run if call[0] == "log"] for run in runs_calls]
+    kept = len(final) - len(logged[1])  # the first run's records that log.jsonl kept
+    assert 0 < kept < len(first)  # the resume cut the records of the steps past the checkpoint
+    assert logged[0] == first and final == first[:kept] + logged[1]
+    cut_lrs = {r["step"]: r["lr"] for r in first[kept:] if "lr" in r}
+    # the resumed run logged steps again that the first had logged, with other values
+    assert any(r["lr"] != cut_lrs.get(r["step"], r["lr"]) for r in logged[1] if "lr" in r)
+    run_id = (out / "wandb_run_id").read_text()
+    assert run_id == f"run{inits[0] + 1}"  # the id the first run's wandb.init made
+    for run, asked_id, max_steps in zip(runs_calls, [None, run_id], [6, 8]):
+        init = run[0][1]
+        assert (init["id"], init["resume"], init["project"], init["name"], init["dir"]) == (
+            asked_id, "allow", "gpt2", None, str(out))
+        assert init["config"] == dataclasses.asdict(load_config([*common,
+                                                                 f"--max_steps={max_steps}"]))
+        assert run[1:3] == [("define_metric", "step", None), ("define_metric", "*", "step")]
+        assert run[-1] == ("finish", 0)
+
+    assert_tensorboard_shows(out / "tensorboard", final)
+    assert {"mfu", "hellaswag_acc_norm", "val_loss", "grad_norm"} <= {k for r in final for k in r}
+    with torch.device("meta"):
+        flops_per_step = GPT(load_config(TINY)).flops_per_token(16) * 64
+    for r in final:
+        if "loss" in r:
+            assert r["mfu"] == pytest.approx(flops_per_step / (r["dt_ms"] / 1000) / peak, rel=1e-9)
+
+
+def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, monkeypatch,
+                                                          one_thread):
+    """A run that diverges (3 non-finite steps in a row at max_lr 1e30) ends in a UserError: once
+    the traceback that holds its Metrics is freed, TensorBoard shows every record of log.jsonl
+    and the wandb run is finished as failed."""
+    pytest.importorskip("tensorboard")
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    with pytest.raises(UserError, match="the run diverged"):
+        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                          "--total_batch_size=64", "--max_steps=20", "--max_lr=1e30",
+                          "--tensorboard=true", "--wandb_log=true"])
+    gc.collect()  # the traceback's frames hold the Metrics in reference cycles
+    records = runs.read_log(tmp_path)
+    assert any(r.get("skipped") for r in records)
+    assert calls[-1] == ("finish", 1)
+    logged = [call[1] for call in calls if call[0] == "log"]
+    assert json.dumps(logged) == json.dumps(records)  # NaN losses: as text, NaN equals NaN
+    assert_tensorboard_shows(tmp_path / "tensorboard", records)
+
+
+def test_real_wandb_offline_and_tensorboard_log_from_rank_0_alone(tmp_path, tiny_data,
+                                                                   monkeypatch):
+    """Under torchrun with 2 ranks, the installed wandb (offline) and TensorBoard: the run exits
+    0, and out_dir holds one offline wandb run, the one wandb_run_id names, and one event file
+    that shows log.jsonl's records."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name))  # nothing written to ~
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "out"
+    run_training([*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--total_batch_size=128",
+                  "--max_steps=2", "--wandb_log=true", "--wandb_run_name=tiny",
+                  "--tensorboard=true"], nproc=2)
+    run_id = (out / "wandb_run_id").read_text()
+    [run_dir] = (out / "wandb").glob("offline-run-*")
+    assert run_dir.name.endswith(f"-{run_id}")
+    assert (run_dir / f"run-{run_id}.wandb").stat().st_size > 0
+    assert len(list((out / "tensorboard").iterdir())) == 1
+    assert_tensorboard_shows(out / "tensorboard", runs.read_log(out))
+
+
+@pytest.mark.parametrize("key, module, message", [
+    ("wandb_log", "wandb", "wandb_log=true needs the wandb package: pip install wandb"),
+    ("tensorboard", "torch.utils.tensorboard",
+     "tensorboard=true needs the tensorboard package: pip install tensorboard"),
+])
+def test_a_missing_package_is_one_line_before_the_first_step(tmp_path, tiny_data, monkeypatch,
+                                                             key, module, message):
+    monkeypatch.setitem(sys.modules, module, None)  # its import raises ImportError
+    with pytest.raises(UserError, match=f"^{message}$"):
+        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                          "--total_batch_size=64", "--max_steps=2", f"--{key}=true"])
+    assert (tmp_path / "log.jsonl").read_text() == ""  # no step, no eval
+
+
+def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(
+        calls, init_error="No API key configured. Use `wandb login` to log in.\nmore"))
+    with pytest.raises(UserError, match="^wandb.init failed: No API key configured. Use `wandb "
+                                        "login` to log in.; set WANDB_MODE=offline to log "
+                                        "without a wandb server"):
+        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                          "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
+    assert not (tmp_path / "wandb_run_id").exists()

@@ -1,11 +1,13 @@
 """
 Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py:
 a TOML file, then --key=value overrides, each cast to the dataclass field's type and checked
-against its rule; and the --help text, from the comment on each field's line.
+against its rule; and the --help text, from the comment on each field's line. The scripts'
+command lines go through ArgumentParser, so that every option is spelled as the config keys are.
 
 Every mistake is a UserError, which the scripts print as one line that says how to fix it.
 """
 
+import argparse
 import dataclasses
 import difflib
 import inspect
@@ -13,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import time
 import tomllib
 from pathlib import Path
@@ -23,6 +26,39 @@ RANK_ERROR_WAIT_S = 30  # see run()
 
 class UserError(Exception):
     """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser for the scripts. Options are defined with underscores, as the
+    config keys are (--out_dir), and each also answers to its hyphen spelling (--out-dir), which
+    --help does not show. The description, a part of a module docstring, is dedented and shown
+    with its own line breaks: argparse would refill it and run the example commands together.
+
+    Abbreviations are off (allow_abbrev=False): the scripts that pass the arguments they do not
+    know on to train_gpt2.py would take a config key for a prefix of an option of their own
+    (bench.py: --micro_batch_size=4 for --micro_batch_sizes).
+    """
+
+    def __init__(self, *args, description=None, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        if description:
+            description = textwrap.dedent(description).strip("\n")
+        super().__init__(*args, description=description, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, after each `--foo-bar` or `--foo-bar=value` of an option --foo_bar is
+        rewritten to that spelling (parse_args calls this too). Arguments after `--`, and
+        options that are not this parser's (those passed on to train_gpt2.py), stay as given."""
+        args = sys.argv[1:] if args is None else list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            canonical = "--" + name[2:].replace("-", "_")
+            if name.startswith("--") and canonical in self._option_string_actions:
+                args[i] = canonical + eq + value
+        return super().parse_known_args(args, namespace)
 
 
 def run(main, script):
@@ -73,8 +109,8 @@ def cast_value(key, raw, typ):
 
 def load_config(argv, config_class, rules):
     """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file first, then the
-    overrides. `rules` maps keys to (a predicate, or a tuple of the allowed values; the rule in
-    words), checked on the result.
+    overrides, whose keys may be spelled with hyphens (--max-steps=10). `rules` maps keys to (a
+    predicate, or a tuple of the allowed values; the rule in words), checked on the result.
 
     Raises UserError for a missing or malformed config file (naming the line), an unknown key
     (naming the closest valid one), a value of the wrong type or against its rule, or a
@@ -96,7 +132,7 @@ def load_config(argv, config_class, rules):
         if not arg.startswith("--") or "=" not in arg:
             raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
         key, raw = arg[2:].split("=", 1)
-        values[key] = raw
+        values[key.replace("-", "_")] = raw  # --max-steps, as the scripts' options allow
     kwargs = {}
     for key, raw in values.items():
         if key not in fields:

@@ -19,7 +19,7 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
         [sys.executable, "scripts/bench.py", *args, f"--data_dir={tmp_path}/data",
          "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
          "compile", "compile_ddp", "exact:--exact_reduction=true,--compile=false", "muon",
-         "--micro-batch-sizes", "1", "--out-dir", str(tmp_path / "bench")],
+         "--micro_batch_sizes", "1", "--out_dir", str(tmp_path / "bench")],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

@@ -278,7 +278,7 @@ def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
 
 def test_missing_shards_name_the_command_that_makes_them(tmp_path):
     with pytest.raises(UserError, match=f"no train shards .* make them with `python prepare_data.py "
-                                        f"--input FILES --name nowhere --output-dir {tmp_path}/nowhere`"):
+                                        f"--input FILES --name nowhere --output_dir {tmp_path}/nowhere`"):
         loader(tmp_path / "nowhere")
     with pytest.raises(UserError, match="make them with `bash scripts/prepare_fineweb_edu.sh`, or try "
                                         "the small CPU config: python prepare_data.py && python "

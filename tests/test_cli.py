@@ -1,0 +1,65 @@
+"""The command lines: options spelled with underscores (hyphens accepted), --help texts that show
+what the source says, and scripts that show which run and step they are on."""
+
+import importlib
+import inspect
+import re
+
+import pytest
+
+import configurator
+import prepare_data
+import train_gpt2
+from configurator import UserError
+
+SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_tokenizer",
+           "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline"]
+
+
+def test_hyphen_spellings_parse_as_the_underscore_options():
+    underscores = ["--output_dir", "d", "--val_tokens", "5", "--text_field=body", "--skip_bad_files",
+                   "--shard_size", "1e3", "--dataset", "x/y", "--dataset_config", "c"]
+    hyphens = ["--output-dir", "d", "--val-tokens", "5", "--text-field=body", "--skip-bad-files",
+               "--shard-size", "1e3", "--dataset", "x/y", "--dataset-config", "c"]
+    args = prepare_data._parse_args(underscores)
+    assert (args.output_dir, args.val_tokens, args.text_field, args.shard_size) == ("d", 5, "body", 1000)
+    assert prepare_data._parse_args(hyphens) == args
+
+    # train_gpt2.py's overrides: a hyphen maps to the key's underscore
+    assert (train_gpt2.load_config(["--max-steps=7", "--micro-batch-size=3", "--exact-reduction=true"])
+            == train_gpt2.load_config(["--max_steps=7", "--micro_batch_size=3", "--exact_reduction=true"]))
+    with pytest.raises(UserError, match="unknown config key 'max_stepz'; did you mean 'max_steps'"):
+        train_gpt2.load_config(["--max-stepz=7"])
+
+
+def test_arguments_passed_on_to_train_gpt2_stay_as_given():
+    """A script's parser rewrites only its own options: a config key that an option of the script
+    starts with is no abbreviation of it, and what follows -- is left alone."""
+    parser = configurator.ArgumentParser()
+    parser.add_argument("--micro_batch_sizes", type=int, nargs="*", default=[])
+    args, rest = parser.parse_known_args(["--micro_batch_size=4", "--micro-batch-sizes", "1", "2",
+                                          "--max-steps=3", "--", "--micro-batch-sizes"])
+    assert args.micro_batch_sizes == [1, 2]
+    assert rest == ["--micro_batch_size=4", "--max-steps=3", "--", "--micro-batch-sizes"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys):
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert not re.findall(r"--[a-z0-9]+-\w+", out), out
+    # argparse would refill a description, running example commands into each other
+    source = inspect.getsource(module)
+    assert all(line.strip() in source for line in out.split("\n\n")[1].splitlines()), out
+
+
+@pytest.mark.parametrize("name", ["train_gpt2", *SCRIPTS])
+def test_docstrings_hold_no_line_continued_by_a_backslash(name):
+    """A backslash at a line's end in a plain docstring joins the lines, indentation and all,
+    as it did in train_gpt2.py --help."""
+    module = importlib.import_module(name)
+    source_lines = {line.strip() for line in inspect.getsource(module).splitlines()}
+    assert all(line.strip() in source_lines for line in module.__doc__.splitlines())

@@ -11,8 +11,10 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import re
+import shutil
 import signal
 import sys
 import textwrap
@@ -148,10 +150,34 @@ def load_config(argv, config_class, rules):
     return config
 
 
-def help_lines(config_class):
-    """`--key=default  description` for each field, the description being the comment on the
-    field's line in the class's source."""
+def toml_value(value):
+    """`value` (a bool, int, float or str) as a TOML file writes it: true/false, a number as
+    Python prints it (6e-05, inf), a string in double quotes with TOML's escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # JSON's string escapes are TOML's, but for DEL, which TOML escapes
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)
+
+
+def help_lines(config_class, width=None):
+    """`--key=default  description` for each field of config_class: the default as a TOML file
+    writes it (toml_value), the description the comment on the field's line in the class's
+    source. The descriptions start in one column, two spaces after the longest --key=default of
+    up to 40 characters (a longer one puts its description on the next line), and wrap at `width`
+    columns (None: the terminal's, as argparse does)."""
+    if width is None:
+        width = shutil.get_terminal_size().columns - 2
     source = inspect.getsource(config_class)
     comments = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", source, re.M))
-    return [f"  --{f.name}={f.default}".ljust(40) + f"  {comments[f.name]}"
-            for f in dataclasses.fields(config_class)]
+    keys = {f.name: f"  --{f.name}={toml_value(f.default)}" for f in dataclasses.fields(config_class)}
+    column = max((len(k) for k in keys.values() if len(k) <= 40), default=0) + 2
+    lines = []
+    for name, key in keys.items():
+        text = textwrap.wrap(comments[name], max(width - column, 20), break_on_hyphens=False)
+        if len(key) + 2 > column:
+            lines.append(key)
+        else:
+            lines.append(key.ljust(column) + text.pop(0))
+        lines += [" " * column + part for part in text]
+    return lines

@@ -1,16 +1,18 @@
 """The command lines: options spelled with underscores (hyphens accepted), --help texts that show
 what the source says, and scripts that show which run and step they are on."""
 
+import dataclasses
 import importlib
 import inspect
 import re
+import tomllib
 
 import pytest
 
 import configurator
 import prepare_data
 import train_gpt2
-from configurator import UserError
+from configurator import UserError, help_lines
 
 SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_tokenizer",
            "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline"]
@@ -63,3 +65,49 @@ def test_docstrings_hold_no_line_continued_by_a_backslash(name):
     module = importlib.import_module(name)
     source_lines = {line.strip() for line in inspect.getsource(module).splitlines()}
     assert all(line.strip() in source_lines for line in module.__doc__.splitlines())
+
+
+@dataclasses.dataclass
+class Knobs:
+    flag: bool = True  # a switch
+    off: bool = False  # another
+    prompt: str = "Hello, I'm a model,"  # a string with spaces, in quotes
+    empty: str = ""  # nothing, which bare would be invisible
+    tricky: str = 'say "hi"\\\t\x7f'  # escapes
+    steps: int = 19073  # a count
+    lr: float = 6e-4  # a rate
+    path: str = "data/hellaswag/hellaswag_val.jsonl"  # longer than 40 characters with its key
+    note: int = 1  # a description long enough to wrap onto a second line in 72 columns
+
+
+def test_help_lines_write_defaults_as_toml_in_one_column():
+    assert "\n".join(help_lines(Knobs, width=72)) == r"""
+  --flag=true                      a switch
+  --off=false                      another
+  --prompt="Hello, I'm a model,"   a string with spaces, in quotes
+  --empty=""                       nothing, which bare would be
+                                   invisible
+  --tricky="say \"hi\"\\\t\u007f"  escapes
+  --steps=19073                    a count
+  --lr=0.0006                      a rate
+  --path="data/hellaswag/hellaswag_val.jsonl"
+                                   longer than 40 characters with its
+                                   key
+  --note=1                         a description long enough to wrap
+                                   onto a second line in 72 columns""".strip("\n")
+    assert tomllib.loads(r'v = "say \"hi\"\\\t\u007f"')["v"] == Knobs.tricky
+
+
+def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
+    lines = help_lines(train_gpt2.Config, width=100)
+    keys = [line for line in lines if line.startswith("  --")]
+    assert len(keys) == len(dataclasses.fields(train_gpt2.Config))
+    columns = set()
+    for line, field in zip(keys, dataclasses.fields(train_gpt2.Config)):
+        match = re.fullmatch(r'  --(\w+)=("(?:[^"\\]|\\.)*"|\S+)(?: +(.+))?', line)
+        assert match[1] == field.name
+        assert tomllib.loads(f"v = {match[2]}")["v"] == field.default
+        if match[3]:
+            columns.add(match.start(3))
+    assert len(columns) == 1
+    assert all(len(line) <= 100 and line == line.rstrip() for line in lines)

@@ -146,10 +146,12 @@ def test_every_config_key_passes_through_torchrun():
 def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if line.startswith("  --")}
-    assert list(lines) == [f"--{field}" for field in Config.__dataclass_fields__]
-    for line in lines.values():  # a default, then a description
-        assert len(line.split("  ", 2)[2].strip().split()) >= 2, line
+    # each key's line, with its description there or on the lines below (a long default)
+    entries = re.split(r"^  (?=--)", out.split("what they do:\n")[1], flags=re.M)[1:]
+    keys = [re.fullmatch(r'--(\w+)=("(?:[^"\\]|\\.)*"|\S+)\s+(.+)', entry, re.S) for entry in entries]
+    assert [key[1] for key in keys] == list(Config.__dataclass_fields__)
+    for key in keys:  # a default, then a description
+        assert len(key[3].split()) >= 2, key[0]
 
 
 def test_shipped_configs_load():

@@ -60,15 +60,15 @@ def parse_variant(spec):
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant; returns its log records and the path of the master's trace. Raises
-    UserError with the run's output if it fails."""
+    """Trains one variant, showing its progress on stderr (runs.train); returns its log records
+    and the path of the master's trace. Raises UserError with the run's output if it fails."""
     out = Path(args.out_dir) / name
     if out.exists():
         shutil.rmtree(out)
     runs.train([*train_args, *overrides, f"--max_steps={FIRST_TIMED_STEP + args.steps}",
                 "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                 "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
-               args.nproc)
+               args.nproc, progress=name)
     records = runs.read_log(out)
     for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
         checkpoint.unlink()
@@ -178,7 +178,6 @@ def main(argv):
     variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
     rows = {}
     for name, overrides in variants:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
         rows[name] = summarize(*run(name, overrides, args, train_args))
     print_table(rows)
 

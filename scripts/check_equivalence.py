@@ -9,7 +9,8 @@ prints how far each run's per-step losses and final weights are from the one-pro
 Arguments other than --world_sizes and --out_dir go to train_gpt2.py. The config's
 total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
 World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalone
---nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true.
+--nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true. Each run's steps show on
+stderr as it trains; the table goes to stdout.
 """
 
 import sys
@@ -22,12 +23,13 @@ import configurator  # noqa: E402
 import runs  # noqa: E402
 
 
-def train(world_size, train_args, out_dir, python=sys.executable):
+def train(world_size, train_args, out_dir, python=sys.executable, label=None):
     """Runs train_gpt2.py at `world_size` into out_dir with the `python` interpreter (and its
-    torch); returns (train records, eval records, HellaSwag records, final model state dict).
+    torch), showing its progress on stderr after `label` (default: "world size N"; runs.train);
+    returns (train records, eval records, HellaSwag records, final model state dict).
     Raises UserError with the run's output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
-               world_size, python=python)
+               world_size, python=python, progress=label or f"world size {world_size}")
     checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
     model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     return (*runs.split_records(runs.read_log(out_dir)), model)

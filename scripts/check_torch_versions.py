@@ -52,7 +52,8 @@ def compare_versions(pythons, train_args, world_size, out_root):
     results = {}
     for variant, args in VARIANTS.items():
         runs = [train(world_size, [*train_args, *args],
-                      Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"), python=p)
+                      Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"), python=p,
+                      label=f"torch {v}, {variant}")
                 for p, v in zip(pythons, versions)]
         (ref_steps, ref_evals, _, ref_model) = runs[0]
         results[variant] = [

@@ -5,13 +5,18 @@ import dataclasses
 import importlib
 import inspect
 import re
+import subprocess
+import time
 import tomllib
 
 import pytest
 
 import configurator
 import prepare_data
+import runs
 import train_gpt2
+from check_equivalence import main as check_equivalence_main
+from conftest import TINY
 from configurator import UserError, help_lines
 
 SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_tokenizer",
@@ -111,3 +116,27 @@ def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
             columns.add(match.start(3))
     assert len(columns) == 1
     assert all(len(line) <= 100 and line == line.rstrip() for line in lines)
+
+
+def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, capsys):
+    check_equivalence_main(["--world-sizes", "1", "--out-dir", str(tmp_path), *TINY,
+                            f"--data-dir={tiny_data}", "--total-batch-size=32", "--max-steps=1"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == "world size 1: started"
+    assert re.search(r"^world size 1: step +\d+/1 \| loss", err, re.M), err
+    assert re.search(r"^world size 1: step +\d+ \| val loss", err, re.M), err
+    assert re.fullmatch(r"world size 1: finished in \d+ s", lines[-1])
+    assert "loss (world size 1)" in out and (tmp_path / "world_size_1" / "log.jsonl").exists()
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsys):
+    fake_python = tmp_path / "python"  # runs.train calls it with train_gpt2.py's path
+    fake_python.write_text('#!/bin/sh\necho "step     0 | loss 6.2"\necho warning >&2\nexec sleep 60\n')
+    fake_python.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        runs.train([], python=str(fake_python), timeout=1, progress="fake")
+    assert time.monotonic() - start < 10
+    assert (info.value.output, info.value.stderr) == ("step     0 | loss 6.2\n", "warning\n")
+    assert capsys.readouterr().err == "fake: started\nfake: step     0 | loss 6.2\n"

@@ -115,6 +115,18 @@ def test_write_shard_round_trip(tmp_path):
     assert read_shard(path).tolist() == tokens
 
 
+@pytest.mark.parametrize("umask", [0o027, 0o002], ids=oct)
+def test_shards_get_the_mode_of_a_new_file(tmp_path, umask):
+    """As open() gives it, 0o666 less the umask (atomic_write), not a temp file's 0o600: on a
+    shared machine others read the data where the umask lets them."""
+    old = os.umask(umask)
+    try:
+        write_shard(tmp_path / "x.bin", [1, 2, 3])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 @pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]]])
 def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
     with pytest.raises(ValueError):

@@ -56,7 +56,7 @@ from tqdm import tqdm
 import configurator
 from atomic import atomic_write
 from configurator import UserError
-from shards import MAX_SHARD_TOKENS, write_shard
+from shards import MAX_SHARD_TOKENS, shard_name, write_shard
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"
@@ -456,16 +456,18 @@ def _recorded_source(manifest_path):
 
 def _old_shards(out_dir, name, manifest_path):
     """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
-    lists, and any file named as this script names shards ({name}_{val|train}_{index}.bin), for
-    a manifest written before the list existed, or lost by a run killed while moving shards in.
-    A listed name with a directory part or without .bin is ignored: nothing else is removed."""
+    lists, and any file the loader reads as a shard of `name` (shards.shard_name: this script's
+    {name}_{val|train}_{index}.bin, and llm.c's {name}_{val|train}.bin), for a manifest written
+    before the list existed, one lost by a run killed while moving shards in, or shards made by
+    llm.c, which the new ones would otherwise join. A listed name with a directory part or
+    without .bin is ignored: nothing else is removed."""
     try:
         listed = {entry["file"] for entry in json.loads(manifest_path.read_text())["shards"]}
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
-    shard_name = re.compile(re.escape(name) + r"_(val|train)_\d{6,}\.bin")
     return sorted(out_dir / f for f in os.listdir(out_dir)
-                  if shard_name.fullmatch(f) or (f in listed and f.endswith(".bin")))
+                  if shard_name(f) in {(name, "train"), (name, "val")}
+                  or (f in listed and f.endswith(".bin")))
 
 
 def _write_manifest(path, source, shards):

@@ -379,9 +379,10 @@ class DataLoader:
                       "tinyshakespeare": "python prepare_data.py"}
             maker = makers.get(Path(data_dir).name, f"python prepare_data.py --input FILES "
                                f"--name {Path(data_dir).name} --output_dir {data_dir}")
-            raise UserError(f"no {split} shards ({dataset or '*'}_{split}_*.bin) in {data_dir}; make "
-                            f"them with `{maker}`, or try the small CPU config: python "
-                            f"prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
+            name = dataset or "NAME"
+            raise UserError(f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) "
+                            f"in {data_dir}; make them with `{maker}`, or try the small CPU config: "
+                            f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
         sizes = [read_shard_header(p) for p in self.paths]
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)

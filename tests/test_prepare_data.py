@@ -336,10 +336,13 @@ def test_overwrite_removes_the_earlier_shards_and_nothing_else(tmp_path):
     assert names(out_dir) == sorted(earlier + foreign)
     assert (tmp_path / "outside.bin").exists()
 
-    # a manifest of an older version lists no shards: those named as its shards are removed
+    # a manifest of an older version lists no shards: those named as its shards are removed, and
+    # so are a's shards in llm.c's names without an index, which the loader would read with them
     manifest = json.loads(manifest_path.read_text())
     del manifest["shards"], manifest["max_token_id"]
     manifest_path.write_text(json.dumps(manifest))
+    write_shard(out_dir / "a_train.bin", [1, 2, 3])
+    write_shard(out_dir / "a_val.bin", [1, 2, 3])
     run(*common, "--shard_size", 1000)
     assert names(out_dir) == sorted(["a_train_000001.bin", "a_val_000000.bin", *foreign])
     check_manifest(out_dir, "a")

@@ -1,6 +1,8 @@
 """
 Files written whole or not at all, however the process ends: checkpoints, shards, manifests,
-logs, plots and downloads all go through atomic_write.
+logs, plots and downloads all go through atomic_write. What is written is as readable as a file
+that open() makes (0o666 less the umask), to others too on a shared machine where the umask lets
+them read.
 """
 
 import os
@@ -10,8 +12,10 @@ from pathlib import Path
 def atomic_write(path, write):
     """Calls write(f) on a binary temp file beside `path` (its name + ".tmp"), fsyncs it, then
     renames it onto `path` and fsyncs the directory: a process killed (or a machine that loses
-    power) at any moment leaves either the old file or the new one, never a part. On an error
-    (disk full, or one that write raised) the temp file is removed and the error raised."""
+    power) at any moment leaves either the old file or the new one, never a part. The temp file
+    is made by open(), so `path` gets the mode of a new file (new_file_mode), not tempfile's 0o600.
+    On an error (disk full, or one that write raised) the temp file is removed and the error
+    raised."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -29,3 +33,11 @@ def atomic_write(path, write):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def new_file_mode():
+    """The mode open() gives a file it creates: 0o666 less this process's umask. For files that
+    a library writes through a temp file of mode 0o600 and renames (safetensors' save_file)."""
+    umask = os.umask(0o022)  # the umask can only be read by setting it; set back at once
+    os.umask(umask)
+    return 0o666 & ~umask

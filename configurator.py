@@ -1,18 +1,23 @@
 """
 Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py:
 a TOML file, then --key=value overrides, each cast to the dataclass field's type and checked
-against its rule; and the --help text, from the comment on each field's line.
+against its rule; and the --help text, from the comment on each field's line. The scripts'
+command lines go through ArgumentParser, so that every option is spelled as the config keys are.
 
 Every mistake is a UserError, which the scripts print as one line that says how to fix it.
 """
 
+import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import re
+import shutil
 import signal
 import sys
+import textwrap
 import time
 import tomllib
 from pathlib import Path
@@ -23,6 +28,39 @@ RANK_ERROR_WAIT_S = 30  # see run()
 
 class UserError(Exception):
     """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser for the scripts. Options are defined with underscores, as the
+    config keys are (--out_dir), and each also answers to its hyphen spelling (--out-dir), which
+    --help does not show. The description, a part of a module docstring, is dedented and shown
+    with its own line breaks: argparse would refill it and run the example commands together.
+
+    Abbreviations are off (allow_abbrev=False): the scripts that pass the arguments they do not
+    know on to train_gpt2.py would take a config key for a prefix of an option of their own
+    (bench.py: --micro_batch_size=4 for --micro_batch_sizes).
+    """
+
+    def __init__(self, *args, description=None, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        if description:
+            description = textwrap.dedent(description).strip("\n")
+        super().__init__(*args, description=description, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, after each `--foo-bar` or `--foo-bar=value` of an option --foo_bar is
+        rewritten to that spelling (parse_args calls this too). Arguments after `--`, and
+        options that are not this parser's (those passed on to train_gpt2.py), stay as given."""
+        args = sys.argv[1:] if args is None else list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            canonical = "--" + name[2:].replace("-", "_")
+            if name.startswith("--") and canonical in self._option_string_actions:
+                args[i] = canonical + eq + value
+        return super().parse_known_args(args, namespace)
 
 
 def run(main, script):
@@ -73,8 +111,8 @@ def cast_value(key, raw, typ):
 
 def load_config(argv, config_class, rules):
     """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file first, then the
-    overrides. `rules` maps keys to (a predicate, or a tuple of the allowed values; the rule in
-    words), checked on the result.
+    overrides, whose keys may be spelled with hyphens (--max-steps=10). `rules` maps keys to (a
+    predicate, or a tuple of the allowed values; the rule in words), checked on the result.
 
     Raises UserError for a missing or malformed config file (naming the line), an unknown key
     (naming the closest valid one), a value of the wrong type or against its rule, or a
@@ -96,7 +134,7 @@ def load_config(argv, config_class, rules):
         if not arg.startswith("--") or "=" not in arg:
             raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
         key, raw = arg[2:].split("=", 1)
-        values[key] = raw
+        values[key.replace("-", "_")] = raw  # --max-steps, as the scripts' options allow
     kwargs = {}
     for key, raw in values.items():
         if key not in fields:
@@ -112,10 +150,34 @@ def load_config(argv, config_class, rules):
     return config
 
 
-def help_lines(config_class):
-    """`--key=default  description` for each field, the description being the comment on the
-    field's line in the class's source."""
+def toml_value(value):
+    """`value` (a bool, int, float or str) as a TOML file writes it: true/false, a number as
+    Python prints it (6e-05, inf), a string in double quotes with TOML's escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # JSON's string escapes are TOML's, but for DEL, which TOML escapes
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)
+
+
+def help_lines(config_class, width=None):
+    """`--key=default  description` for each field of config_class: the default as a TOML file
+    writes it (toml_value), the description the comment on the field's line in the class's
+    source. The descriptions start in one column, two spaces after the longest --key=default of
+    up to 40 characters (a longer one puts its description on the next line), and wrap at `width`
+    columns (None: the terminal's, as argparse does)."""
+    if width is None:
+        width = shutil.get_terminal_size().columns - 2
     source = inspect.getsource(config_class)
     comments = dict(re.findall(r"^    (\w+): \w+ = .*?  # (.*)$", source, re.M))
-    return [f"  --{f.name}={f.default}".ljust(40) + f"  {comments[f.name]}"
-            for f in dataclasses.fields(config_class)]
+    keys = {f.name: f"  --{f.name}={toml_value(f.default)}" for f in dataclasses.fields(config_class)}
+    column = max((len(k) for k in keys.values() if len(k) <= 40), default=0) + 2
+    lines = []
+    for name, key in keys.items():
+        text = textwrap.wrap(comments[name], max(width - column, 20), break_on_hyphens=False)
+        if len(key) + 2 > column:
+            lines.append(key)
+        else:
+            lines.append(key.ljust(column) + text.pop(0))
+        lines += [" " * column + part for part in text]
+    return lines

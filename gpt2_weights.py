@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from atomic import new_file_mode
 from configurator import UserError
 from prepare_data import gpt2_encoding
 
@@ -177,7 +178,8 @@ def save_hf(model_state, config, out_dir):
     train_gpt2.Config. The vocabulary keeps config.vocab_size rows (50304 with the padding), so
     logits are ours exactly. A model trained with bias=false gets zero biases.
 
-    Written to a temporary directory, then renamed: out_dir is whole or absent. Raises UserError
+    Written to a temporary directory, then renamed: out_dir is whole or absent, and its files
+    have the mode open() gives a new file (atomic.new_file_mode). Raises UserError
     if out_dir exists and is not an empty directory, or cannot be written (a read-only parent,
     say), naming the path.
     """
@@ -213,6 +215,8 @@ def save_hf(model_state, config, out_dir):
     try:
         tmp.mkdir(parents=True)
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        # safetensors >= 0.8 writes through a tempfile of mode 0o600 (safetensors#782)
+        os.chmod(tmp / "model.safetensors", new_file_mode())
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
         (tmp / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n",

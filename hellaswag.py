@@ -15,7 +15,6 @@ The data is the official repository's jsonl (fields ctx, endings, label, ...), d
 data/hellaswag/ when missing.
 """
 
-import argparse
 import json
 import math
 import urllib.request
@@ -196,8 +195,7 @@ def summary(result):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("source", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face "
                         "GPT-2 directory, a train_gpt2.py checkpoint file, or an out_dir (its latest)")
     parser.add_argument("--path", default="data/hellaswag/hellaswag_val.jsonl",

@@ -20,7 +20,6 @@ keeps one momentum buffer, 4 bytes, for the matrices it updates), divided by the
 the mode shards them (ZeRO, Rajbhandari et al. 2020).
 """
 
-import argparse
 import dataclasses
 import math
 
@@ -154,8 +153,8 @@ def measure(config):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
-                                     usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1],
+                                         usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
     parser.add_argument("--world_size", type=int, default=8)
     parser.add_argument("--gpu_memory", type=float, default=80, help="GB per GPU (default 80)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

@@ -8,13 +8,13 @@ Usage:
 
     # local files: .txt (one document per file), .jsonl/.json or .parquet (one document per row)
     python prepare_data.py --input 'my_books/*.txt' --name books
-    python prepare_data.py --input corpus.jsonl --text-field content --shard-size 1e7
+    python prepare_data.py --input corpus.jsonl --text_field content --shard_size 1e7
 
     # a Hugging Face hub dataset, streamed (the first shard becomes the val split)
-    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT
+    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT
 
     # big local inputs: a fixed val size skips the extra pass that counts the tokens
-    python prepare_data.py --input 'shards/*.parquet' --val-tokens 1e7
+    python prepare_data.py --input 'shards/*.parquet' --val_tokens 1e7
 
 Every document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The
 first tokens of the stream form the val split, the rest the train split; the two never
@@ -56,7 +56,7 @@ from tqdm import tqdm
 import configurator
 from atomic import atomic_write
 from configurator import UserError
-from shards import MAX_SHARD_TOKENS, write_shard
+from shards import MAX_SHARD_TOKENS, shard_name, write_shard
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"
@@ -189,9 +189,9 @@ def _bad_field(where, number, row, field):
     if text is None:
         fields = ", ".join(k for k, v in row.items() if v is not None) or "(none)"
         return UserError(f"{_row_name(where, number)} has no field {field!r} (missing or null); "
-                         f"its fields are {fields}; choose the text with --text-field")
+                         f"its fields are {fields}; choose the text with --text_field")
     return UserError(f"{_row_name(where, number)}: field {field!r} holds {type(text).__name__} "
-                     f"{str(text)[:40]!r}, not text; choose the text with --text-field")
+                     f"{str(text)[:40]!r}, not text; choose the text with --text_field")
 
 
 def _row_name(where, number):
@@ -272,7 +272,7 @@ def _token_count(s):
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = configurator.ArgumentParser(
         description="Tokenize text with GPT-2's BPE into llm.c .bin token shards.",
         epilog="With no --input or --dataset, the embedded corpus assets/tinyshakespeare.txt is used.",
     )
@@ -282,37 +282,37 @@ def _parse_args(argv):
                              "(one document per row); all of one kind")
     source.add_argument("--dataset", metavar="NAME",
                         help="Hugging Face hub dataset to stream, e.g. HuggingFaceFW/fineweb-edu")
-    parser.add_argument("--dataset-config", metavar="CONFIG",
+    parser.add_argument("--dataset_config", metavar="CONFIG",
                         help="config of --dataset, e.g. sample-10BT")
     parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
-    parser.add_argument("--text-field", default="text",
+    parser.add_argument("--text_field", default="text",
                         help="column holding the text in json/parquet/hub rows (default: text)")
     parser.add_argument("--name", help="prefix of the shard names (default: the first file's stem, "
                                        "the dataset's last path component, or tinyshakespeare)")
-    parser.add_argument("--output-dir", help="default: data/<name>/ next to this script")
-    parser.add_argument("--shard-size", type=_token_count, default=100_000_000,
+    parser.add_argument("--output_dir", help="default: data/<name>/ next to this script")
+    parser.add_argument("--shard_size", type=_token_count, default=100_000_000,
                         help="tokens per shard (default: 1e8)")
     val = parser.add_mutually_exclusive_group()
-    val.add_argument("--val-tokens", type=_token_count,
+    val.add_argument("--val_tokens", type=_token_count,
                      help="exactly this many tokens, the first ones, go to val; skips the pass that "
-                          "counts the tokens for --val-fraction (worth it for big inputs). Default for "
-                          "--dataset: --shard-size (the first shard is val)")
-    val.add_argument("--val-fraction", type=float, default=0.1,
+                          "counts the tokens for --val_fraction (worth it for big inputs). Default for "
+                          "--dataset: --shard_size (the first shard is val)")
+    val.add_argument("--val_fraction", type=float, default=0.1,
                      help="fraction of all tokens, the first ones, that go to val (default: 0.1)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="tokenizer processes (default: all cores)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the <name>_*.bin shards of an existing output dir")
-    parser.add_argument("--skip-bad-files", action="store_true",
+    parser.add_argument("--skip_bad_files", action="store_true",
                         help="skip .txt files that are not valid UTF-8, with a warning, instead of failing")
     args = parser.parse_args(argv)
 
     if not args.dataset and (args.dataset_config is not None or args.split != "train"):
-        parser.error("--dataset-config and --split only apply to --dataset")
+        parser.error("--dataset_config and --split only apply to --dataset")
     if not 1 <= args.shard_size <= MAX_SHARD_TOKENS:
-        parser.error(f"--shard-size must be in [1, {MAX_SHARD_TOKENS}]")
+        parser.error(f"--shard_size must be in [1, {MAX_SHARD_TOKENS}]")
     if not 0 <= args.val_fraction < 1:
-        parser.error("--val-fraction must be in [0, 1)")
+        parser.error("--val_fraction must be in [0, 1)")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
     return args
@@ -346,7 +346,7 @@ def _drop_bad_utf8(files, skip):
         except UnicodeDecodeError as e:
             problem = f"{f} is not valid UTF-8 (first bad byte at offset {e.start})"
             if not skip:
-                raise UserError(f"{problem}; fix it, or pass --skip-bad-files to skip it")
+                raise UserError(f"{problem}; fix it, or pass --skip_bad_files to skip it")
             print(f"prepare_data.py: warning: skipping {problem}", file=sys.stderr)
         else:
             good.append(f)
@@ -379,7 +379,7 @@ def main(argv=None):
             print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
             return
         raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
-                        f"--overwrite to replace its {name}_*.bin shards, or pick another --output-dir")
+                        f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
 
     # imported here because it is slow to import and train_gpt2.py only needs gpt2_encoding()
     import datasets
@@ -419,7 +419,7 @@ def main(argv=None):
             shutil.rmtree(staging)  # left by a killed run
         staging.mkdir(parents=True)
     except OSError as e:
-        raise UserError(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output-dir")
+        raise UserError(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output_dir")
     try:
         writer = _write_shards(args, sources, what, name, staging)
     except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
@@ -456,16 +456,18 @@ def _recorded_source(manifest_path):
 
 def _old_shards(out_dir, name, manifest_path):
     """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
-    lists, and any file named as this script names shards ({name}_{val|train}_{index}.bin), for
-    a manifest written before the list existed, or lost by a run killed while moving shards in.
-    A listed name with a directory part or without .bin is ignored: nothing else is removed."""
+    lists, and any file the loader reads as a shard of `name` (shards.shard_name: this script's
+    {name}_{val|train}_{index}.bin, and llm.c's {name}_{val|train}.bin), for a manifest written
+    before the list existed, one lost by a run killed while moving shards in, or shards made by
+    llm.c, which the new ones would otherwise join. A listed name with a directory part or
+    without .bin is ignored: nothing else is removed."""
     try:
         listed = {entry["file"] for entry in json.loads(manifest_path.read_text())["shards"]}
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
-    shard_name = re.compile(re.escape(name) + r"_(val|train)_\d{6,}\.bin")
     return sorted(out_dir / f for f in os.listdir(out_dir)
-                  if shard_name.fullmatch(f) or (f in listed and f.endswith(".bin")))
+                  if shard_name(f) in {(name, "train"), (name, "val")}
+                  or (f in listed and f.endswith(".bin")))
 
 
 def _write_manifest(path, source, shards):
@@ -478,7 +480,7 @@ def _write_manifest(path, source, shards):
 
 def _write_shards(args, sources, what, name, staging):
     """Tokenizes the sources into shards in `staging`; returns the _ShardWriter. Without
-    --val-tokens (and for local files), a first pass counts the tokens to size the val split."""
+    --val_tokens (and for local files), a first pass counts the tokens to size the val split."""
     val_tokens, total = args.val_tokens, None
     if val_tokens is None and args.dataset:
         val_tokens = args.shard_size  # as build-nanogpt does for FineWeb-Edu; no counting pass
@@ -512,7 +514,7 @@ def _write_shards(args, sources, what, name, staging):
     writer.flush()
     if "train" not in writer.stats:
         n = writer.stats["val"][1]
-        raise UserError(f"the input has only {n} tokens, all of them went to val (--val-tokens "
+        raise UserError(f"the input has only {n} tokens, all of them went to val (--val_tokens "
                         f"{val_tokens}); no train shard was written")
     return writer
 

@@ -6,6 +6,8 @@ that train (scripts/bench.py, scripts/check_equivalence.py) or read logs (script
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from configurator import UserError
@@ -24,17 +26,55 @@ def command(args, nproc=1, python=sys.executable, torchrun_args=()):
             *torchrun_args, script, *args]
 
 
-def train(args, nproc=1, python=sys.executable, timeout=None, env=None):
+def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None):
     """Runs command(args, nproc, python) in the repo root with the environment `env` (None: this
     process's) and waits for it. Returns the CompletedProcess, its stdout and stderr as text.
 
+    progress: None, or a label for the run; then its start, the console lines of its steps and
+    evaluations (those that begin with "step") as they come, and its end with the time it took
+    are printed on stderr after `{progress}: `, so that a run of minutes is not a silent one.
+
     Raises UserError with the command, its exit status and its output if it fails, and
-    subprocess.TimeoutExpired if it runs past `timeout` seconds.
+    subprocess.TimeoutExpired with the output so far if it runs past `timeout` seconds (killed
+    then, as subprocess.run does).
     """
     cmd = command(args, nproc, python)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    start = time.monotonic()
+    if progress is not None:
+        print(f"{progress}: started", file=sys.stderr, flush=True)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             cwd=ROOT)
+    stdout, stderr = [], []
+
+    def read(pipe, lines, show):
+        with pipe:
+            for line in pipe:
+                lines.append(line)
+                if show and line.startswith("step"):
+                    print(f"{progress}: {line.rstrip()}", file=sys.stderr, flush=True)
+
+    # both pipes are read while the run goes on: a full one would stall it. Daemon threads, as
+    # workers that outlive a killed torchrun may hold the pipes open.
+    readers = [threading.Thread(target=read, args=(child.stdout, stdout, progress is not None),
+                                daemon=True),
+               threading.Thread(target=read, args=(child.stderr, stderr, False), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        for reader in readers:
+            reader.join(1)  # what is left in the pipes, unless workers of a killed torchrun hold them
+        raise subprocess.TimeoutExpired(cmd, timeout, "".join(stdout), "".join(stderr)) from None
+    for reader in readers:
+        reader.join()
+    proc = subprocess.CompletedProcess(cmd, child.returncode, "".join(stdout), "".join(stderr))
     if proc.returncode != 0:
         raise UserError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    if progress is not None:
+        print(f"{progress}: finished in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return proc
 
 

@@ -4,13 +4,15 @@ which files form a split of a data_dir, and whether every token id fits the mode
 known before the first step.
 
 The format is llm.c's .bin (also read by modded-nanogpt): 256 little-endian int32 (magic 20240520,
-version 1, token count, zeros), then the tokens as little-endian uint16. Shards are named
-{dataset}_{split}_{index:06d}.bin. Another format is a change to this module alone.
+version 1, token count, zeros), then the tokens as little-endian uint16. prepare_data.py names
+shards {dataset}_{split}_{index:06d}.bin, as llm.c's fineweb.py does; llm.c's tinyshakespeare.py
+and tinystories.py write one shard a split, {dataset}_{split}.bin, which are read as well. Another
+format is a change to this module alone.
 """
 
-import glob
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 MAX_SHARD_TOKENS = 2**31 - 1  # the token count is stored in an int32 header field
 FIX = "remake the shards with `python prepare_data.py --overwrite` (see README)"
+SHARD_NAME = re.compile(r"(?P<dataset>.+)_(?P<split>train|val)(?:_\d+)?\.bin")
 
 
 def write_shard(path, tokens):
@@ -79,22 +82,30 @@ def read_shard_header(path):
     return n_tokens
 
 
+def shard_name(filename):
+    """(dataset, split) of a shard's file name, {dataset}_{split}_{index}.bin (the index in
+    digits) or {dataset}_{split}.bin, split being train or val; None for any other name."""
+    match = SHARD_NAME.fullmatch(filename)
+    return (match["dataset"], match["split"]) if match else None
+
+
 def split_paths(data_dir, split, dataset=""):
-    """The shards of one split in data_dir, in name order: those of `dataset` (their name's prefix
-    before _train_/_val_), or of the only dataset there.
+    """The shards of one split in data_dir (named as shard_name reads them), in name order: those
+    of `dataset` (their name's prefix before _train or _val), or of the only dataset there.
 
     Raises UserError when data_dir holds the shards of several datasets and `dataset` is empty:
     reading them all would mix two corpora without a word.
     """
     data_dir = Path(data_dir)
-    if dataset:
-        return sorted(data_dir.glob(f"{glob.escape(dataset)}_{split}_*.bin"))
-    names = sorted({p.name.rsplit(f"_{s}_", 1)[0]
-                    for s in ("train", "val") for p in data_dir.glob(f"*_{s}_*.bin")})
-    if len(names) > 1:
-        raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(names)}): "
-                        f"pass --dataset=NAME to train on one, or move the others out")
-    return sorted(data_dir.glob(f"*_{split}_*.bin"))
+    named = {p: shard_name(p.name) for p in data_dir.glob("*.bin")}
+    named = {p: name for p, name in named.items() if name}
+    if not dataset:
+        names = sorted({d for d, _ in named.values()})
+        if len(names) > 1:
+            raise UserError(f"{data_dir} holds the shards of {len(names)} datasets "
+                            f"({', '.join(names)}): pass --dataset=NAME to train on one, or move "
+                            f"the others out")
+    return sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
 
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):

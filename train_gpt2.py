@@ -1,4 +1,4 @@
-"""
+r"""
 Train GPT-2 with data parallelism. This file holds the config, the model, the data loader, the
 distributed setup and teardown, and the training loop; what the loop calls lives beside it:
 sharding.py (the ddp, zero2 and fsdp modes), optimizers.py, checkpoints.py, metrics.py, shards.py
@@ -387,10 +387,11 @@ class DataLoader:
             makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
                       "tinyshakespeare": "python prepare_data.py"}
             maker = makers.get(Path(data_dir).name, f"python prepare_data.py --input FILES "
-                               f"--name {Path(data_dir).name} --output-dir {data_dir}")
-            raise UserError(f"no {split} shards ({dataset or '*'}_{split}_*.bin) in {data_dir}; make "
-                            f"them with `{maker}`, or try the small CPU config: python "
-                            f"prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
+                               f"--name {Path(data_dir).name} --output_dir {data_dir}")
+            name = dataset or "NAME"
+            raise UserError(f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) "
+                            f"in {data_dir}; make them with `{maker}`, or try the small CPU config: "
+                            f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
         sizes = [read_shard_header(p) for p in self.paths]
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)

@@ -8,7 +8,7 @@ and the bytes one rank hands to collectives per step.
     python scripts/bench.py configs/gpt2_124m.toml --nproc 1                  # one GPU
     python scripts/bench.py configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
     python scripts/bench.py configs/shakespeare_cpu.toml --nproc 2 --variants eager compile
-    python scripts/bench.py configs/gpt2_124m.toml --variants compile --micro-batch-sizes 16 32 64
+    python scripts/bench.py configs/gpt2_124m.toml --variants compile --micro_batch_sizes 16 32 64
     python scripts/bench.py configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
     python scripts/bench.py configs/gpt2_124m.toml --variants adamw muon
 
@@ -20,7 +20,6 @@ the unprofiled steps after them. The all-reduce wait is the extra time of the la
 the one that syncs, over the others (so it needs grad_accum_steps > 1; '-' otherwise).
 """
 
-import argparse
 import json
 import math
 import shutil
@@ -61,15 +60,15 @@ def parse_variant(spec):
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant; returns its log records and the path of the master's trace. Raises
-    UserError with the run's output if it fails."""
+    """Trains one variant, showing its progress on stderr (runs.train); returns its log records
+    and the path of the master's trace. Raises UserError with the run's output if it fails."""
     out = Path(args.out_dir) / name
     if out.exists():
         shutil.rmtree(out)
     runs.train([*train_args, *overrides, f"--max_steps={UNTIMED_STEPS + args.steps}",
                 "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                 "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
-               args.nproc)
+               args.nproc, progress=name)
     records = runs.read_log(out)
     for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
         checkpoint.unlink()
@@ -165,21 +164,20 @@ def print_table(rows):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
-                                     usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                         usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
     parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
     parser.add_argument("--variants", nargs="+", default=["eager", "compile", "compile_ddp"],
                         help=f"from {', '.join(VARIANTS)}, or name:--key=value,...")
-    parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[],
+    parser.add_argument("--micro_batch_sizes", type=int, nargs="*", default=[],
                         help="also run the config (with its own compile setting) at these B")
-    parser.add_argument("--out-dir", default="out/bench")
+    parser.add_argument("--out_dir", default="out/bench")
     args, train_args = parser.parse_known_args(argv)
     variants = [parse_variant(v) for v in args.variants]
     variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
     rows = {}
     for name, overrides in variants:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
         rows[name] = summarize(*run(name, overrides, args, train_args))
     print_table(rows)
 

@@ -2,10 +2,10 @@
 Host memory and speed of train_gpt2.DataLoader as the shards grow: its memory should stay flat.
 
     python scripts/bench_loader.py                             # shards of 1e6, 1e7, 5e7 tokens
-    python scripts/bench_loader.py --sizes 1e6 1e8 --batches 500 --tmp-dir /mnt/scratch
+    python scripts/bench_loader.py --sizes 1e6 1e8 --batches 500 --tmp_dir /mnt/scratch
 
 For each size it writes one val and one train shard of random GPT-2 token ids with
-shards.write_shard into a temp dir under --tmp-dir, then, in a fresh Python process (so
+shards.write_shard into a temp dir under --tmp_dir, then, in a fresh Python process (so
 that the peak RSS of one size does not carry over to the next), builds the loader on the train
 split (device cpu) and reads --batches micro-batches of B x T, spread evenly over the whole
 shard, with next_batch(). It reports the peak RSS (VmHWM, see peak_rss_mb) before the loader
@@ -66,13 +66,13 @@ def measure(data_dir, B, T, n_batches):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = configurator.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 5e7],
                         help="train shard sizes in tokens (default: 1e6 1e7 5e7)")
     parser.add_argument("--batches", type=int, default=200, help="micro-batches read per size (default: 200)")
-    parser.add_argument("-B", "--batch-size", type=int, default=8, help="B (default: 8)")
-    parser.add_argument("-T", "--seq-len", type=int, default=1024, help="T (default: 1024)")
-    parser.add_argument("--tmp-dir", help="where the shards are written (default: the system temp dir)")
+    parser.add_argument("-B", "--batch_size", type=int, default=8, help="B (default: 8)")
+    parser.add_argument("-T", "--seq_len", type=int, default=1024, help="T (default: 1024)")
+    parser.add_argument("--tmp_dir", help="where the shards are written (default: the system temp dir)")
     parser.add_argument("--measure", metavar="DATA_DIR", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     B, T = args.batch_size, args.seq_len

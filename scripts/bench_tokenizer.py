@@ -15,7 +15,6 @@ at the same N. prepare_data prepends <|endoftext|> to every document, so its cou
 per document higher; the script checks that.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -47,7 +46,7 @@ def best_time(fn, trials):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = configurator.ArgumentParser(description=__doc__)
     parser.add_argument("--input", default=str(prepare_data.TINYSHAKESPEARE_PATH),
                         help="UTF-8 text file, split into documents at blank lines (default: tiny shakespeare)")
     parser.add_argument("--repeat", type=int, default=10, help="times the documents are repeated (default: 10)")

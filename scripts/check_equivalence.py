@@ -4,15 +4,15 @@ prints how far each run's per-step losses and final weights are from the one-pro
 
     python scripts/check_equivalence.py configs/shakespeare_cpu.toml --max_steps=20
     python scripts/check_equivalence.py configs/shakespeare_cpu.toml --max_steps=20 --exact_reduction=true
-    python scripts/check_equivalence.py configs/gpt2_124m.toml --world-sizes 1 8 --max_steps=50
+    python scripts/check_equivalence.py configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
 
-Arguments other than --world-sizes and --out-dir go to train_gpt2.py. The config's
+Arguments other than --world_sizes and --out_dir go to train_gpt2.py. The config's
 total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
 World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalone
---nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true.
+--nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true. Each run's steps show on
+stderr as it trains; the table goes to stdout.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,12 +23,13 @@ import configurator  # noqa: E402
 import runs  # noqa: E402
 
 
-def train(world_size, train_args, out_dir, python=sys.executable):
+def train(world_size, train_args, out_dir, python=sys.executable, label=None):
     """Runs train_gpt2.py at `world_size` into out_dir with the `python` interpreter (and its
-    torch); returns (train records, eval records, HellaSwag records, final model state dict).
+    torch), showing its progress on stderr after `label` (default: "world size N"; runs.train);
+    returns (train records, eval records, HellaSwag records, final model state dict).
     Raises UserError with the run's output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
-               world_size, python=python)
+               world_size, python=python, progress=label or f"world size {world_size}")
     checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
     model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     return (*runs.split_records(runs.read_log(out_dir)), model)
@@ -84,10 +85,11 @@ def print_table(results):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world-sizes N ...]")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--out-dir", default="out/check_equivalence")
+    parser = configurator.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world_sizes N ...] [--out_dir DIR]")
+    parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out_dir", default="out/check_equivalence")
     args, train_args = parser.parse_known_args(argv)
     results = compare(train_args, args.world_sizes, args.out_dir)
     print_table(results)

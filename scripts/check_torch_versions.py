@@ -1,4 +1,4 @@
-"""
+r"""
 Checks that another torch trains the same model as this one: runs one config at world size 2 in
 each sharding mode, default and exact_reduction, under this interpreter and under each other
 Python given (a venv holding another torch), and prints how far each run's per-step losses,
@@ -9,12 +9,11 @@ gradient norms, val losses and final weights are from this interpreter's.
     python scripts/check_torch_versions.py --python venv-2.8/bin/python \
         configs/shakespeare_cpu.toml --max_steps=20
 
-Arguments other than --python, --world-size, --tolerance and --out-dir go to train_gpt2.py. Exits
+Arguments other than --python, --world_size, --tolerance and --out_dir go to train_gpt2.py. Exits
 1 when a loss or gradient norm differs by more than --tolerance (default 1e-4): a torch that trains
 another model.
 """
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +52,8 @@ def compare_versions(pythons, train_args, world_size, out_root):
     results = {}
     for variant, args in VARIANTS.items():
         runs = [train(world_size, [*train_args, *args],
-                      Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"), python=p)
+                      Path(out_root) / f"torch-{v}" / variant.replace(" ", "_"), python=p,
+                      label=f"torch {v}, {variant}")
                 for p, v in zip(pythons, versions)]
         (ref_steps, ref_evals, _, ref_model) = runs[0]
         results[variant] = [
@@ -71,14 +71,14 @@ def compare_versions(pythons, train_args, world_size, out_root):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(
+    parser = configurator.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         usage="%(prog)s --python PYTHON [--python ...] [CONFIG.toml] [--key=value ...]")
     parser.add_argument("--python", action="append", required=True,
                         help="another interpreter (a venv's bin/python) whose torch to check")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world_size", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument("--out-dir", default="out/check_torch_versions")
+    parser.add_argument("--out_dir", default="out/check_torch_versions")
     args, train_args = parser.parse_known_args(argv)
     print(f"max |diff| to torch {torch_version(sys.executable)} ({sys.executable}), world size "
           f"{args.world_size}:", flush=True)

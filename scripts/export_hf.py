@@ -13,7 +13,6 @@ assets/gpt2.tiktoken. `transformers` then loads it with no network:
 To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingface_hub's CLI).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import configurator  # noqa: E402
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("checkpoint", help="a checkpoint file, or an out_dir (its latest checkpoint)")
     parser.add_argument("out_dir", help="the directory to write; must not exist or be empty")
     args = parser.parse_args(argv)

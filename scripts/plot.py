@@ -9,7 +9,6 @@ norm. Several runs are overlaid, each named by its directory.
 Needs matplotlib (pip install matplotlib), which training does not.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -100,7 +99,7 @@ def plot(runs, out):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("logs", nargs="+", help="log.jsonl files or the out_dirs holding them")
     parser.add_argument("--out", help="the PNG to write (default: plot.png beside the first log)")
     args = parser.parse_args(argv)

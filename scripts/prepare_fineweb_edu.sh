@@ -4,4 +4,4 @@
 # The first 100M tokens form the val shard, as in build-nanogpt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT "$@"
+python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT "$@"

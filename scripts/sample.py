@@ -10,7 +10,6 @@ directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once by hugging
 The same --seed gives the same text on the same device.
 """
 
-import argparse
 import codecs
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, ou
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("source", help="out_dir, checkpoint file, Hugging Face GPT-2 directory, "
                         "or gpt2 / gpt2-medium / gpt2-large / gpt2-xl")
     parser.add_argument("--prompt", default="\n",

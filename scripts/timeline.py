@@ -1,4 +1,4 @@
-"""
+r"""
 Draws the profiler traces of a run as a PNG timeline: per rank, one lane of compute (data,
 forward, backward, optimizer, and in it Muon's Newton-Schulz) and one lane of collectives
 (all-reduce, reduce-scatter, all-gather, broadcast, and Muon's gather and scatter), so that what
@@ -15,7 +15,6 @@ kernels run on the GPU, and compute as the GPU ran the ranges (gpu_user_annotati
 trace has them. Each rank's time starts at its first profiled step. Needs matplotlib.
 """
 
-import argparse
 import json
 import re
 import sys
@@ -112,7 +111,7 @@ def draw(traces, out, steps, title):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("run", help="an out_dir holding trace_rank*.json, or one trace file")
     parser.add_argument("--steps", type=int, default=1, help="profiled steps to draw (1-3)")
     parser.add_argument("--out", help="the PNG (default: timeline.png beside the traces)")

@@ -1,6 +1,7 @@
 """scripts/bench.py on a tiny CPU config: every variant runs, is profiled, and gets a table row."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,13 +20,16 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
         [sys.executable, "scripts/bench.py", *args, f"--data_dir={tmp_path}/data",
          "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
          "compile", "compile_ddp", "exact:--exact_reduction=true,--compile=false", "muon",
-         "--micro-batch-sizes", "1", "--out-dir", str(tmp_path / "bench")],
+         "--micro_batch_sizes", "1", "--out_dir", str(tmp_path / "bench")],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["variant", "tok/s", "ms/step", "MFU"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"eager", "compile", "compile_ddp", "exact", "muon", "B=1"}
+    for name in rows:  # each run shows on stderr as it trains
+        assert f"{name}: started\n" in proc.stderr and f"{name}: finished in " in proc.stderr
+        assert re.search(rf"^{re.escape(name)}: step +\d+/\d+ \| loss", proc.stderr, re.M), proc.stderr
     for row in rows.values():
         tokens_per_sec, ms_per_step = float(row[1].replace(",", "")), float(row[2])
         assert tokens_per_sec > 0 and ms_per_step > 0

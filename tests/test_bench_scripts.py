@@ -41,7 +41,7 @@ def test_bench_tokenizer():
 def test_bench_loader_memory_stays_flat(tmp_path):
     # 4e7 tokens = 76 MiB of uint16: a loader holding the shard in RAM would grow by >= 76 MiB
     # (305 MiB as int64), far above the bound of 25% of it; the real loader grows by a few MiB
-    out = run_script("bench_loader.py", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp-dir", tmp_path)
+    out = run_script("bench_loader.py", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp_dir", tmp_path)
     header, rows = table(out, "shard")
     assert header.split() == ["shard", "tokens", "shard", "MB", "RSS", "before", "RSS", "loader",
                               "RSS", "after", "growth", "batches/s", "tokens/s"]

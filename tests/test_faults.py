@@ -324,8 +324,8 @@ def test_killed_prepare_data_leaves_no_shard_and_a_rerun_completes(tmp_path):
         for _ in range(40000):
             f.write(json.dumps({"text": " ".join(rng.choice(words, 30))}) + "\n")
     out = tmp_path / "out"
-    cmd = [sys.executable, "prepare_data.py", "--input", str(corpus), "--output-dir", str(out),
-           "--shard-size", "20000", "--val-tokens", "20000", "--workers", "1"]
+    cmd = [sys.executable, "prepare_data.py", "--input", str(corpus), "--output_dir", str(out),
+           "--shard_size", "20000", "--val_tokens", "20000", "--workers", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list(out.glob(".partial/*.bin")) and time.time() < deadline:

@@ -115,6 +115,18 @@ def test_write_shard_round_trip(tmp_path):
     assert read_shard(path).tolist() == tokens
 
 
+@pytest.mark.parametrize("umask", [0o027, 0o002], ids=oct)
+def test_shards_get_the_mode_of_a_new_file(tmp_path, umask):
+    """As open() gives it, 0o666 less the umask (atomic_write), not a temp file's 0o600: on a
+    shared machine others read the data where the umask lets them."""
+    old = os.umask(umask)
+    try:
+        write_shard(tmp_path / "x.bin", [1, 2, 3])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 @pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]]])
 def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
     with pytest.raises(ValueError):
@@ -128,7 +140,7 @@ def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("tinyshakespeare")
-    run("--output-dir", out_dir, "--workers", 1)
+    run("--output_dir", out_dir, "--workers", 1)
     return out_dir
 
 
@@ -152,7 +164,7 @@ def test_manifest_lists_every_shard(default_run):
 
 
 def test_same_input_gives_identical_bytes(default_run, tmp_path):
-    run("--output-dir", tmp_path, "--workers", 2)
+    run("--output_dir", tmp_path, "--workers", 2)
     assert names(tmp_path) == names(default_run)
     for name in names(tmp_path):
         assert (tmp_path / name).read_bytes() == (default_run / name).read_bytes()
@@ -179,7 +191,7 @@ def test_txt_files_are_one_document_each(tmp_path):
     (tmp_path / "a.txt").write_text("Hello world")
     (tmp_path / "b.txt").write_text(" the")
     out_dir = tmp_path / "out"
-    run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--val-tokens", 1, "--workers", 1)
+    run("--input", tmp_path / "*.txt", "--output_dir", out_dir, "--val_tokens", 1, "--workers", 1)
     # the default name is the stem of the first file
     assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
     assert split_stream(out_dir, "val").tolist() == [EOT_TOKEN]
@@ -198,8 +210,8 @@ def test_rows_are_documents_with_text_field(tmp_path, ext):
     texts = [f"Row number {i} says hello, world." for i in range(50)] + ["", "last one"]
     write_rows(tmp_path / f"rows{ext}", [{"id": i, "content": t} for i, t in enumerate(texts)])
     out_dir = tmp_path / "out"
-    run("--input", tmp_path / f"rows{ext}", "--text-field", "content", "--name", "mine",
-        "--output-dir", out_dir, "--workers", 2)
+    run("--input", tmp_path / f"rows{ext}", "--text_field", "content", "--name", "mine",
+        "--output_dir", out_dir, "--workers", 2)
     expected = doc_tokens(*[t for t in texts if t])  # empty documents are dropped
     val, train = split_stream(out_dir, "val"), split_stream(out_dir, "train")
     assert names(out_dir) == ["mine_train_000001.bin", "mine_val_000000.bin"]
@@ -212,7 +224,7 @@ def test_missing_text_field_is_an_error(tmp_path, ext):
     path = tmp_path / f"rows{ext}"
     write_rows(path, [{"body": "hello", "id": 1}])
     with pytest.raises(UserError) as exc:
-        run("--input", path, "--output-dir", tmp_path / "out", "--workers", 1)
+        run("--input", path, "--output_dir", tmp_path / "out", "--workers", 1)
     message = str(exc.value)
     assert "'text'" in message and str(path) in message and "body" in message and "id" in message
     assert not (tmp_path / "out").exists()
@@ -226,8 +238,8 @@ def test_small_shards_and_multiple_workers_are_deterministic(tmp_path):
     dirs = []
     for workers in (1, 2):
         out_dir = tmp_path / f"out{workers}"
-        run("--input", tmp_path / "p.jsonl", "--output-dir", out_dir, "--shard-size", "1e3",
-            "--val-tokens", 1500, "--workers", workers)
+        run("--input", tmp_path / "p.jsonl", "--output_dir", out_dir, "--shard_size", "1e3",
+            "--val_tokens", 1500, "--workers", workers)
         dirs.append(out_dir)
     n_train = -(-(len(expected) - 1500) // 1000)
     in_order = ["p_val_000000.bin", "p_val_000001.bin"]
@@ -258,8 +270,8 @@ def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     out_dir = tmp_path / "out"
-    run("--dataset", "HuggingFaceFW/FineWeb-Edu", "--dataset-config", "sample-10BT", "--split", "train",
-        "--shard-size", 100, "--output-dir", out_dir, "--workers", 1)
+    run("--dataset", "HuggingFaceFW/FineWeb-Edu", "--dataset_config", "sample-10BT", "--split", "train",
+        "--shard_size", 100, "--output_dir", out_dir, "--workers", 1)
     assert calls == [("HuggingFaceFW/FineWeb-Edu", "sample-10BT", {"split": "train", "streaming": True})]
     expected = doc_tokens(*texts)
     # no counting pass for a hub dataset: the first shard is val
@@ -273,7 +285,7 @@ def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
 @pytest.mark.parametrize("value", ["1.5", "-3", "abc", "0"])
 def test_bad_shard_size_is_rejected(tmp_path, value):
     with pytest.raises(SystemExit):
-        run("--shard-size", value, "--output-dir", tmp_path)
+        run("--shard_size", value, "--output_dir", tmp_path)
     assert names(tmp_path) == []
 
 
@@ -283,8 +295,8 @@ def test_bad_shard_size_is_rejected(tmp_path, value):
 def test_existing_output_dir_needs_overwrite(tmp_path):
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
     out_dir = tmp_path / "out"
-    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2]
-    run(*common, "--shard-size", 2)
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2]
+    run(*common, "--shard_size", 2)
     assert len(names(out_dir)) > 3
     with pytest.raises(UserError) as exc:
         run(*common)
@@ -299,16 +311,16 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
 def test_overwrite_removes_the_earlier_shards_and_nothing_else(tmp_path):
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
     out_dir = tmp_path / "out"
-    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2,
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2,
               "--overwrite"]
-    run(*common, "--shard-size", 2)
+    run(*common, "--shard_size", 2)
     earlier = [shard["file"] for shard in check_manifest(out_dir, "a")["shards"]]
     assert len(earlier) > 3
     # other datasets' shards (one whose name starts with "a_" too) and other files stay
     foreign = ["a_b_train_000001.bin", "a_notes.bin", "notes.txt", "other_train_000001.bin"]
     for f in foreign:
         (out_dir / f).write_bytes(b"not a shard of a")
-    run(*common, "--shard-size", 1000)
+    run(*common, "--shard_size", 1000)
     assert names(out_dir) == sorted(["a_train_000001.bin", "a_val_000000.bin", *foreign])
     check_manifest(out_dir, "a")
 
@@ -320,15 +332,18 @@ def test_overwrite_removes_the_earlier_shards_and_nothing_else(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     (out_dir / "a_renamed.bin").write_bytes(b"listed")
     (tmp_path / "outside.bin").write_bytes(b"listed, outside out_dir")
-    run(*common, "--shard-size", 2)
+    run(*common, "--shard_size", 2)
     assert names(out_dir) == sorted(earlier + foreign)
     assert (tmp_path / "outside.bin").exists()
 
-    # a manifest of an older version lists no shards: those named as its shards are removed
+    # a manifest of an older version lists no shards: those named as its shards are removed, and
+    # so are a's shards in llm.c's names without an index, which the loader would read with them
     manifest = json.loads(manifest_path.read_text())
     del manifest["shards"], manifest["max_token_id"]
     manifest_path.write_text(json.dumps(manifest))
-    run(*common, "--shard-size", 1000)
+    write_shard(out_dir / "a_train.bin", [1, 2, 3])
+    write_shard(out_dir / "a_val.bin", [1, 2, 3])
+    run(*common, "--shard_size", 1000)
     assert names(out_dir) == sorted(["a_train_000001.bin", "a_val_000000.bin", *foreign])
     check_manifest(out_dir, "a")
 
@@ -338,8 +353,8 @@ def test_no_manifest_lies_beside_shards_being_moved_in(tmp_path, monkeypatch):
     moves its shards in must not leave the old manifest beside them."""
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
     out_dir = tmp_path / "out"
-    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 2,
-              "--shard-size", 2, "--overwrite"]
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2,
+              "--shard_size", 2, "--overwrite"]
     run(*common)
     real_replace = os.replace
 
@@ -361,7 +376,7 @@ def test_no_manifest_lies_beside_shards_being_moved_in(tmp_path, monkeypatch):
 def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
     out_dir = tmp_path / "out"
-    common = ["--input", tmp_path / "a.txt", "--output-dir", out_dir, "--workers", 1]
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1]
     run(*common)  # its pass that counts tokens shows progress against the input's size
     assert "counting tokens: 100%" in capsys.readouterr().err
     before = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
@@ -371,7 +386,7 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
                                       f"options: nothing to do\n"
     assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == before
     with pytest.raises(UserError, match="made from other input or options; pass --overwrite"):
-        run(*common, "--val-tokens", 3)
+        run(*common, "--val_tokens", 3)
     (tmp_path / "a.txt").write_text("Other text.")
     with pytest.raises(UserError, match="made from other input or options"):
         run(*common)
@@ -384,33 +399,33 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     # pyarrow skips blank lines, so row 2 is on line 3
     ('{"text": "a", "id": 1}\n\n{"body": "b", "id": 2}\n{"text": "c"}\n',
      "bad.jsonl line 3 has no field 'text' \\(missing or null\\); its fields are id, body; "
-     "choose the text with --text-field$"),
+     "choose the text with --text_field$"),
     ('{"text": "a"}\n{"text": null, "id": 2}\n', "bad.jsonl line 2 has no field 'text' \\(missing or null\\)"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(UserError, match=message):
-        run("--input", tmp_path / "bad.jsonl", "--output-dir", tmp_path / "out", "--workers", 1)
+        run("--input", tmp_path / "bad.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
     assert not (tmp_path / "out").exists()  # a failed run leaves no empty output directory
 
 
 def test_parquet_row_without_text_is_named_by_row(tmp_path):
     write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
     with pytest.raises(UserError, match="rows.parquet row 2 has no field 'text' .* its fields are id;"):
-        run("--input", tmp_path / "rows.parquet", "--output-dir", tmp_path / "out", "--workers", 1)
+        run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
 
 
 def test_row_without_text_ends_the_command_in_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
     proc = subprocess.run([sys.executable, prepare_data.__file__, "--input", tmp_path / "bad.jsonl",
-                           "--output-dir", tmp_path / "out", "--workers", "1"],
+                           "--output_dir", tmp_path / "out", "--workers", "1"],
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     # what comes before the error is the progress bar, drawn on one line
     assert proc.stderr.splitlines()[-1] == (
         f"prepare_data.py: error: {tmp_path / 'bad.jsonl'} line 2 has no field 'text' (missing or "
-        f"null); its fields are body; choose the text with --text-field")
+        f"null); its fields are body; choose the text with --text_field")
     assert not (tmp_path / "out").exists()
 
 
@@ -420,16 +435,16 @@ def test_unwritable_output_dir_fails_before_tokenizing(tmp_path, monkeypatch):
     blocker.write_text("not a directory")
     monkeypatch.setattr(prepare_data, "_tokenized", lambda *a: pytest.fail("tokenized first"))
     with pytest.raises(UserError, match=f"cannot write to {blocker}/out: Not a directory; pick a "
-                                         f"writable --output-dir"):
-        run("--input", tmp_path / "a.txt", "--output-dir", blocker / "out")
+                                         f"writable --output_dir"):
+        run("--input", tmp_path / "a.txt", "--output_dir", blocker / "out")
 
 
 def test_empty_input_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
-    for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val-tokens", 0])]:
+    for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val_tokens", 0])]:
         with pytest.raises(UserError) as exc:
-            run("--input", tmp_path / path, "--output-dir", tmp_path / "out", "--workers", 1, *extra)
+            run("--input", tmp_path / path, "--output_dir", tmp_path / "out", "--workers", 1, *extra)
         assert "empty input" in str(exc.value)
         assert not (tmp_path / "out").exists()
 
@@ -442,7 +457,7 @@ def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):
                            ([tmp_path / "a.txt", tmp_path / "b.jsonl"], "one extension"),
                            ([tmp_path / "c.csv"], ".csv")]:
         with pytest.raises(UserError) as exc:
-            run("--input", *inputs, "--output-dir", tmp_path / "out")
+            run("--input", *inputs, "--output_dir", tmp_path / "out")
         assert needle in str(exc.value)
 
 
@@ -451,12 +466,12 @@ def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("Hello world")
     out_dir = tmp_path / "out"
     with pytest.raises(UserError) as exc:
-        run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--workers", 1)
+        run("--input", tmp_path / "*.txt", "--output_dir", out_dir, "--workers", 1)
     assert str(tmp_path / "bad.txt") in str(exc.value) and "offset 6" in str(exc.value)
     assert not out_dir.exists()
 
-    run("--input", tmp_path / "*.txt", "--output-dir", out_dir, "--workers", 1, "--val-tokens", 1,
-        "--skip-bad-files")
+    run("--input", tmp_path / "*.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 1,
+        "--skip_bad_files")
     assert "skipping" in capsys.readouterr().err
     assert names(out_dir) == ["bad_train_000001.bin", "bad_val_000000.bin"]
     assert split_stream(out_dir, "train").tolist() == [15496, 995]

@@ -11,8 +11,8 @@ import torch
 from torch.distributed.run import get_args_parser
 
 import train_gpt2
-from conftest import ROOT, TINY, make_shards, read_log, run_training
-from shards import write_shard
+from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
+from shards import split_paths, write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
 
 
@@ -147,10 +147,12 @@ def test_every_config_key_passes_through_torchrun():
 def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if line.startswith("  --")}
-    assert list(lines) == [f"--{field}" for field in Config.__dataclass_fields__]
-    for line in lines.values():  # a default, then a description
-        assert len(line.split("  ", 2)[2].strip().split()) >= 2, line
+    # each key's line, with its description there or on the lines below (a long default)
+    entries = re.split(r"^  (?=--)", out.split("what they do:\n")[1], flags=re.M)[1:]
+    keys = [re.fullmatch(r'--(\w+)=("(?:[^"\\]|\\.)*"|\S+)\s+(.+)', entry, re.S) for entry in entries]
+    assert [key[1] for key in keys] == list(Config.__dataclass_fields__)
+    for key in keys:  # a default, then a description
+        assert len(key[3].split()) >= 2, key[0]
 
 
 def test_shipped_configs_load():
@@ -217,6 +219,43 @@ def test_loader_crosses_shard_boundaries_and_wraps(tmp_path):
     assert x.flatten().tolist() == stream[:16].tolist()
 
 
+def write_llm_c_shard(path, tokens):
+    """A shard as llm.c's dev/data/data_common.py write_datafile writes it (GPT-2 tokens)."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.array(tokens, dtype=np.uint16).tobytes())
+
+
+def test_llm_c_shards_without_an_index_are_a_split_of_their_dataset(tmp_path):
+    """llm.c's dev/data/tinyshakespeare.py writes tiny_shakespeare_val.bin and
+    tiny_shakespeare_train.bin, one shard a split with no index."""
+    rng = np.random.default_rng(0)
+    streams = {"val": markov_tokens(rng, 100, 512), "train": markov_tokens(rng, 200, 512)}
+    for split, stream in streams.items():
+        write_llm_c_shard(tmp_path / f"tiny_shakespeare_{split}.bin", stream)
+    for split, stream in streams.items():
+        dl = loader(tmp_path, B=2, T=16, split=split)
+        x, y = dl.next_batch()
+        assert x.flatten().tolist() == stream[:32].tolist() and y.flatten().tolist() == stream[1:33].tolist()
+
+    # beside llm.c's fineweb names, which carry an index, they are another dataset to choose
+    write_llm_c_shard(tmp_path / "fineweb_val_000000.bin", streams["val"])
+    write_llm_c_shard(tmp_path / "fineweb_train_000001.bin", streams["train"])
+    with pytest.raises(UserError, match=r"holds the shards of 2 datasets \(fineweb, tiny_shakespeare\): "
+                                        r"pass --dataset=NAME"):
+        loader(tmp_path)
+    assert split_paths(tmp_path, "train", "tiny_shakespeare") == [tmp_path / "tiny_shakespeare_train.bin"]
+    assert split_paths(tmp_path, "val", "fineweb") == [tmp_path / "fineweb_val_000000.bin"]
+    # the two forms of one dataset's names are one stream, in name order
+    write_llm_c_shard(tmp_path / "tiny_shakespeare_train_000002.bin", streams["val"])
+    assert split_paths(tmp_path, "train", "tiny_shakespeare") == [
+        tmp_path / "tiny_shakespeare_train.bin", tmp_path / "tiny_shakespeare_train_000002.bin"]
+    with pytest.raises(UserError, match=r"no val shards \(books_val_NNNNNN.bin or llm.c's books_val.bin\)"):
+        DataLoader(tmp_path, "val", 2, 16, 0, 1, torch.device("cpu"), dataset="books")
+
+
 def test_loader_world_sizes_1_and_2_deliver_the_same_micro_batches(tmp_path):
     make_shards(tmp_path, n_train=3000)
     single = loader(tmp_path)
@@ -279,7 +318,7 @@ def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
 
 def test_missing_shards_name_the_command_that_makes_them(tmp_path):
     with pytest.raises(UserError, match=f"no train shards .* make them with `python prepare_data.py "
-                                        f"--input FILES --name nowhere --output-dir {tmp_path}/nowhere`"):
+                                        f"--input FILES --name nowhere --output_dir {tmp_path}/nowhere`"):
         loader(tmp_path / "nowhere")
     with pytest.raises(UserError, match="make them with `bash scripts/prepare_fineweb_edu.sh`, or try "
                                         "the small CPU config: python prepare_data.py && python "

@@ -146,6 +146,22 @@ def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
         save_hf(model.state_dict(), config, tmp_path / "hf")
 
 
+def test_exported_files_get_the_mode_of_new_files(tmp_path):
+    """safetensors' save_file (>= 0.8) writes through a temp file of mode 0o600; the export gives
+    every file 0o666 less the umask, as open() does, so others can read the model where the umask
+    lets them."""
+    config = Config(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=512)
+    old = os.umask(0o027)
+    try:
+        save_hf(GPT(config).state_dict(), config, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes == dict.fromkeys(["config.json", "model.safetensors", "vocab.json", "merges.txt",
+                                   "tokenizer_config.json"], 0o640)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o750
+
+
 def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny, tmp_path,
                                                                           monkeypatch):
     a_file = tmp_path / "a_file"

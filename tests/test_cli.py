@@ -1,0 +1,142 @@
+"""The command lines: options spelled with underscores (hyphens accepted), --help texts that show
+what the source says, and scripts that show which run and step they are on."""
+
+import dataclasses
+import importlib
+import inspect
+import re
+import subprocess
+import time
+import tomllib
+
+import pytest
+
+import configurator
+import prepare_data
+import runs
+import train_gpt2
+from check_equivalence import main as check_equivalence_main
+from conftest import TINY
+from configurator import UserError, help_lines
+
+SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_tokenizer",
+           "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline"]
+
+
+def test_hyphen_spellings_parse_as_the_underscore_options():
+    underscores = ["--output_dir", "d", "--val_tokens", "5", "--text_field=body", "--skip_bad_files",
+                   "--shard_size", "1e3", "--dataset", "x/y", "--dataset_config", "c"]
+    hyphens = ["--output-dir", "d", "--val-tokens", "5", "--text-field=body", "--skip-bad-files",
+               "--shard-size", "1e3", "--dataset", "x/y", "--dataset-config", "c"]
+    args = prepare_data._parse_args(underscores)
+    assert (args.output_dir, args.val_tokens, args.text_field, args.shard_size) == ("d", 5, "body", 1000)
+    assert prepare_data._parse_args(hyphens) == args
+
+    # train_gpt2.py's overrides: a hyphen maps to the key's underscore
+    assert (train_gpt2.load_config(["--max-steps=7", "--micro-batch-size=3", "--exact-reduction=true"])
+            == train_gpt2.load_config(["--max_steps=7", "--micro_batch_size=3", "--exact_reduction=true"]))
+    with pytest.raises(UserError, match="unknown config key 'max_stepz'; did you mean 'max_steps'"):
+        train_gpt2.load_config(["--max-stepz=7"])
+
+
+def test_arguments_passed_on_to_train_gpt2_stay_as_given():
+    """A script's parser rewrites only its own options: a config key that an option of the script
+    starts with is no abbreviation of it, and what follows -- is left alone."""
+    parser = configurator.ArgumentParser()
+    parser.add_argument("--micro_batch_sizes", type=int, nargs="*", default=[])
+    args, rest = parser.parse_known_args(["--micro_batch_size=4", "--micro-batch-sizes", "1", "2",
+                                          "--max-steps=3", "--", "--micro-batch-sizes"])
+    assert args.micro_batch_sizes == [1, 2]
+    assert rest == ["--micro_batch_size=4", "--max-steps=3", "--", "--micro-batch-sizes"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys):
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert not re.findall(r"--[a-z0-9]+-\w+", out), out
+    # argparse would refill a description, running example commands into each other
+    source = inspect.getsource(module)
+    assert all(line.strip() in source for line in out.split("\n\n")[1].splitlines()), out
+
+
+@pytest.mark.parametrize("name", ["train_gpt2", *SCRIPTS])
+def test_docstrings_hold_no_line_continued_by_a_backslash(name):
+    """A backslash at a line's end in a plain docstring joins the lines, indentation and all,
+    as it did in train_gpt2.py --help."""
+    module = importlib.import_module(name)
+    source_lines = {line.strip() for line in inspect.getsource(module).splitlines()}
+    assert all(line.strip() in source_lines for line in module.__doc__.splitlines())
+
+
+@dataclasses.dataclass
+class Knobs:
+    flag: bool = True  # a switch
+    off: bool = False  # another
+    prompt: str = "Hello, I'm a model,"  # a string with spaces, in quotes
+    empty: str = ""  # nothing, which bare would be invisible
+    tricky: str = 'say "hi"\\\t\x7f'  # escapes
+    steps: int = 19073  # a count
+    lr: float = 6e-4  # a rate
+    path: str = "data/hellaswag/hellaswag_val.jsonl"  # longer than 40 characters with its key
+    note: int = 1  # a description long enough to wrap onto a second line in 72 columns
+
+
+def test_help_lines_write_defaults_as_toml_in_one_column():
+    assert "\n".join(help_lines(Knobs, width=72)) == r"""
+  --flag=true                      a switch
+  --off=false                      another
+  --prompt="Hello, I'm a model,"   a string with spaces, in quotes
+  --empty=""                       nothing, which bare would be
+                                   invisible
+  --tricky="say \"hi\"\\\t\u007f"  escapes
+  --steps=19073                    a count
+  --lr=0.0006                      a rate
+  --path="data/hellaswag/hellaswag_val.jsonl"
+                                   longer than 40 characters with its
+                                   key
+  --note=1                         a description long enough to wrap
+                                   onto a second line in 72 columns""".strip("\n")
+    assert tomllib.loads(r'v = "say \"hi\"\\\t\u007f"')["v"] == Knobs.tricky
+
+
+def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
+    lines = help_lines(train_gpt2.Config, width=100)
+    keys = [line for line in lines if line.startswith("  --")]
+    assert len(keys) == len(dataclasses.fields(train_gpt2.Config))
+    columns = set()
+    for line, field in zip(keys, dataclasses.fields(train_gpt2.Config)):
+        match = re.fullmatch(r'  --(\w+)=("(?:[^"\\]|\\.)*"|\S+)(?: +(.+))?', line)
+        assert match[1] == field.name
+        assert tomllib.loads(f"v = {match[2]}")["v"] == field.default
+        if match[3]:
+            columns.add(match.start(3))
+    assert len(columns) == 1
+    assert all(len(line) <= 100 and line == line.rstrip() for line in lines)
+
+
+def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, capsys):
+    check_equivalence_main(["--world-sizes", "1", "--out-dir", str(tmp_path), *TINY,
+                            f"--data-dir={tiny_data}", "--total-batch-size=32", "--max-steps=1"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == "world size 1: started"
+    assert re.search(r"^world size 1: step +\d+/1 \| loss", err, re.M), err
+    assert re.search(r"^world size 1: step +\d+ \| val loss", err, re.M), err
+    assert re.fullmatch(r"world size 1: finished in \d+ s", lines[-1])
+    assert "loss (world size 1)" in out and (tmp_path / "world_size_1" / "log.jsonl").exists()
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsys):
+    fake_python = tmp_path / "python"  # runs.train calls it with train_gpt2.py's path
+    fake_python.write_text('#!/bin/sh\necho "step     0 | loss 6.2"\necho warning >&2\nexec sleep 60\n')
+    fake_python.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        runs.train([], python=str(fake_python), timeout=1, progress="fake")
+    assert time.monotonic() - start < 10
+    assert (info.value.output, info.value.stderr) == ("step     0 | loss 6.2\n", "warning\n")
+    assert capsys.readouterr().err == "fake: started\nfake: step     0 | loss 6.2\n"

@@ -198,8 +198,11 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.store(layer, k, v)  # (B, nh, pos + T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        # a single query may see every key before it; T queries from position 0 are causal
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1)  # flash
+        # T queries from position 0 (training, a prefill) are causal; a single query sees every
+        # key before it. A branch, not is_causal=T > 1: torch.compile may trace T as a symbol,
+        # and SDPA takes no symbolic bool
+        causal = True if T > 1 else False
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)  # flash
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 

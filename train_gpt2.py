@@ -195,14 +195,23 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x):
+    def forward(self, x, cache=None, layer=0):
+        """x: (B, T, C). With a KVCache, k and v join this layer's cached ones (`layer` is its
+        index) and the queries attend to all of them: T tokens from position 0 (a prefill), or
+        one token after the cached ones. Returns (B, T, C)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.store(layer, k, v)  # (B, nh, pos + T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # flash
+        # T queries from position 0 (training, a prefill) are causal; a single query sees every
+        # key before it. A branch, not is_causal=T > 1: torch.compile may trace T as a symbol,
+        # and SDPA takes no symbolic bool
+        causal = True if T > 1 else False
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)  # flash
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -228,10 +237,43 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cache, layer)
         x = x + self.mlp(self.ln_2(x))
         return x
+
+
+class KVCache:
+    """The keys and values of every layer's attention while sampling, so that each new token runs
+    through the model alone instead of with its whole context, as nanoGPT PR #76 and transformers'
+    GPT-2 (its past_key_values, (B, nh, T, hs) per layer) do. Preallocated for `length` positions
+    (at most block_size): a token writes its slot, nothing grows with torch.cat.
+
+    k, v: (n_layer, B, nh, length, hs), allocated by the first store(), in the dtype and on the
+    device of the keys it gets (bf16 under FSDP's mixed precision, say). pos: the positions filled,
+    which is the next token's position.
+
+    A plain class, not a dataclass: FSDP2 casts a module's inputs by rebuilding dataclasses, and
+    the blocks would then fill a copy.
+    """
+
+    def __init__(self, n_layer, length):
+        self.n_layer, self.length = n_layer, length
+        self.k = self.v = None
+        self.pos = 0
+
+    def store(self, layer, k, v):
+        """Writes k, v (B, nh, T, hs) of layer `layer` at positions pos..pos+T-1. Returns that
+        layer's keys and values of positions 0..pos+T-1, (B, nh, pos+T, hs) each: views of the
+        cache, not copies. GPT.forward advances pos once all layers have stored."""
+        if self.k is None:
+            B, nh, _, hs = k.shape
+            self.k = k.new_empty(self.n_layer, B, nh, self.length, hs)
+            self.v = torch.empty_like(self.k)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class GPT(nn.Module):
@@ -267,21 +309,33 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
-        """idx, targets: (B, T) int64 token ids. Returns logits (B, T, vocab_size), loss (mean CE)."""
+    def forward(self, idx, targets=None, cache=None):
+        """idx, targets: (B, T) int64 token ids. Returns logits (B, T, vocab_size), loss (mean CE).
+
+        With a KVCache (sampling; generate() shows the use): idx is T tokens from position 0 into
+        an empty cache, or one token at position cache.pos; their keys and values join the cache,
+        pos advances by T, and the logits are the last position's alone, (B, 1, vocab_size).
+        """
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T)
+        start = 0 if cache is None else cache.pos
+        assert start + T <= self.config.block_size, f"positions up to {start + T} > block_size"
+        assert start == 0 or T == 1, "after a prefill the cache takes one token at a time"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         x = self.transformer.drop(x)
-        for block in self.transformer.h:
+        for layer, block in enumerate(self.transformer.h):
             if self.config.activation_checkpointing and self.training:
                 # keep only the block's input; the backward runs its forward again, restoring
                 # the RNG state first so that dropout draws the same masks (preserve_rng_state)
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, cache, layer)
         x = self.transformer.ln_f(x)
+        if cache is not None:
+            cache.pos += T
+            # sampling reads the last position alone; at GPT-2's size lm_head holds a third of
+            # the weights, so a prefill of T tokens saves T - 1 of its matmuls
+            x = x[:, -1:, :]  # (B, 1, n_embd)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -300,17 +354,31 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, generator, temperature=1.0, top_k=50):
         """Samples max_new_tokens after idx (B, T), yielding each new token (B, 1) as it is drawn:
         softmax(logits / temperature) cut to the top_k most likely tokens (all when top_k is 0 or
-        above vocab_size), as nanoGPT's sample.py. The context is the last block_size tokens."""
+        above vocab_size), as nanoGPT's sample.py. The context is the last block_size tokens.
+
+        One prefill of the context, then one token at a time through a KVCache (nanoGPT PR #76).
+        Once the context outgrows block_size, every position of the window shifts (learned
+        absolute positions) and each token recomputes the window from an empty cache: the tokens
+        are those of running the whole window for every token, as before the cache.
+        """
         top_k = min(top_k or self.config.vocab_size, self.config.vocab_size)
+        block_size = self.config.block_size
+        idx = idx[:, -block_size:]
+        cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
+        x = idx  # what the next forward runs: the window, or the newest token
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
+            logits, _ = self(x, cache=cache)  # (B, 1, vocab_size)
             probs = F.softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, vocab_size)
             topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)  # (B, top_k)
             choice = torch.multinomial(topk_probs, 1, generator=generator)  # (B, 1)
             token = torch.gather(topk_idx, -1, choice)
-            idx = torch.cat((idx, token), dim=1)
             yield token
-
+            idx = torch.cat((idx, token), dim=1)[:, -block_size:]
+            if cache.pos < block_size:
+                x = token
+            else:  # the window slides
+                cache.pos = 0
+                x = idx
 
     @classmethod
     def from_pretrained(cls, source, device="cpu"):

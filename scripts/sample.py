@@ -57,6 +57,10 @@ def main(argv):
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model, meant for CUDA: one graph for the prompt's "
+                        "prefill, one for the one-token decode step at any position (the first "
+                        "tokens compile for a minute; on CPU that costs more than it saves)")
     args = parser.parse_args(argv)
     if (not args.temperature > 0  # nan too, which would make every probability nan
             or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0):
@@ -72,6 +76,8 @@ def main(argv):
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
     model = GPT.from_pretrained(args.source, args.device)
+    if args.compile:
+        model.compile()  # GPT.__call__, which generate() calls; the cache's pos turns dynamic
     enc = gpt2_encoding()
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     for i in range(args.num_samples):

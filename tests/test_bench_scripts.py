@@ -1,8 +1,14 @@
-"""Smoke tests of scripts/bench_tokenizer.py and scripts/bench_loader.py, run as a user would."""
+"""Smoke tests of scripts/bench_tokenizer.py and scripts/bench_loader.py, run as a user would, and
+of scripts/bench_sample.py's main."""
 
+import re
 import subprocess
 import sys
 
+import pytest
+
+import bench_sample
+from configurator import UserError
 from conftest import ROOT
 
 
@@ -53,3 +59,44 @@ def test_bench_loader_memory_stays_flat(tmp_path):
         assert growth < 0.25 * largest_mb, f"loader RSS grew by {growth} MiB:\n{out}"
         assert number(r[7]) > 0
     assert not any(tmp_path.iterdir())  # the shards were cleaned up
+
+
+def test_bench_sample_times_ours_against_transformers_on_the_same_weights(capsys):
+    # in this process, not run_script: importing torch and transformers again took 6 s of 9
+    bench_sample.main(["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--new_tokens", "3",
+                       "5", "--repeats", "2"])
+    out = capsys.readouterr().out
+    diff = float(re.search(r"max \|logits ours - transformers\| on the prompt: (\S+);", out)[1])
+    assert diff < 1e-5  # the same function: transformers got our weights, transposed right
+    header, _, *rows = [line.strip("|").split("|") for line in out.splitlines()
+                        if line.startswith("|")]
+    assert [cell.strip() for cell in header] == ["setting", "ours tok/s, median (min-max) of 2",
+                                                 "transformers tok/s", "ratio"]
+    settings = [row[0].strip() for row in rows]
+    assert settings[:2] == ["cpu, 1 thread, 3 new tokens", "cpu, 1 thread, 5 new tokens"]
+    assert len(rows) % 2 == 0 and all(s.startswith("cpu, ") for s in settings)
+    for _, ours, theirs, ratio in rows:
+        medians = []
+        for cell in (ours, theirs):
+            median, low, high = map(float, re.fullmatch(r" (\S+) \((\S+)-(\S+)\) ", cell).groups())
+            assert 0 < low <= median <= high
+            medians.append(median)
+        assert float(ratio.strip().removesuffix("x")) == pytest.approx(medians[0] / medians[1],
+                                                                       abs=0.01, rel=0.01)
+
+
+def test_bench_sample_without_transformers_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(UserError, match="^transformers is not installed: pip install transformers$"):
+        bench_sample.main(["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--new_tokens", "2"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--repeats, --new_tokens, --n_layer and --n_head must be >= 1"),
+    (["--n_embd", "100"], "--n_embd must be a positive multiple of --n_head=12, got 100"),
+    (["--new_tokens", "200", "1009"], "--new_tokens at most 1008: transformers' GPT-2 has no "
+                                      "position beyond block_size=1024"),
+])
+def test_bench_sample_refuses_bad_flags_in_one_line(args, message):
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        bench_sample.main(args)

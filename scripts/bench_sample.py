@@ -1,0 +1,162 @@
+"""
+Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers'
+GPT2LMHeadModel.generate, on the same random weights.
+
+    python scripts/bench_sample.py                                  # 124M, 200 and 1000 tokens
+    python scripts/bench_sample.py --new_tokens 200 --repeats 3
+    python scripts/bench_sample.py --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
+
+A GPT of the given shape (GPT-2 124M by default, vocab_size 50304) is initialized from --seed,
+and transformers' GPT-2 is built from its state dict (Conv1D weights transposed), so both compute
+the same function: the script prints the largest difference of their logits on the prompt.
+Both draw --new_tokens after the same random 16-token prompt, batch 1, top_k 50, temperature 1,
+float32; transformers with min_new_tokens=max_new_tokens, so it never stops at <|endoftext|>.
+Each setting (CPU at 1 thread, CPU at all of torch's threads, CUDA when present) runs one
+untimed warm-up of each, then --repeats rounds that time ours, then theirs. tok/s counts the new
+tokens over the wall time of the whole call, prefill included. transformers is needed only here
+and in the tests: pip install transformers.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import configurator  # noqa: E402
+from configurator import UserError  # noqa: E402
+from gpt2_weights import CONV1D  # noqa: E402
+from train_gpt2 import GPT, Config  # noqa: E402
+
+PROMPT_TOKENS = 16
+TOP_K = 50
+
+
+def hf_twin(model):
+    """transformers' GPT2LMHeadModel (eval mode, float32, on model's device) holding the weights
+    of `model`, a train_gpt2.GPT. Raises UserError when transformers is not installed."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise UserError("transformers is not installed: pip install transformers") from None
+    cfg = model.config
+    hf = GPT2LMHeadModel(GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    state = {k: v.t() if k.endswith(CONV1D) else v for k, v in model.state_dict().items()}
+    hf.load_state_dict(state)  # strict: every tensor of theirs is one of ours
+    return hf.to(next(model.parameters()).device).eval()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ours(model, prompt, new_tokens, seed):
+    """Seconds that GPT.generate takes to draw new_tokens after prompt (1, T)."""
+    generator = torch.Generator(device=prompt.device).manual_seed(seed)
+    sync(prompt.device)
+    t0 = time.perf_counter()
+    tokens = list(model.generate(prompt, new_tokens, generator, 1.0, TOP_K))
+    sync(prompt.device)
+    assert len(tokens) == new_tokens
+    return time.perf_counter() - t0
+
+
+def theirs(hf, prompt, new_tokens, seed):
+    """Seconds that GPT2LMHeadModel.generate takes to sample new_tokens after prompt (1, T)."""
+    torch.manual_seed(seed)
+    sync(prompt.device)
+    t0 = time.perf_counter()
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=TOP_K,
+                      temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, pad_token_id=50256)
+    sync(prompt.device)
+    assert out.size(1) == prompt.size(1) + new_tokens
+    return time.perf_counter() - t0
+
+
+def settings(cpu_threads):
+    """(name, device, threads) of each setting: CPU at 1 thread and at cpu_threads, and CUDA."""
+    rows = [(f"cpu, {n} thread{'s' * (n > 1)}", torch.device("cpu"), n)
+            for n in sorted({1, cpu_threads})]
+    if torch.cuda.is_available():
+        rows.append((f"cuda ({torch.cuda.get_device_name()})", torch.device("cuda"), cpu_threads))
+    return rows
+
+
+def spread(tok_per_s):
+    return (f"{statistics.median(tok_per_s):.1f} ({min(tok_per_s):.1f}-"
+            f"{max(tok_per_s):.1f})")
+
+
+def time_setting(name, model, hf, prompt, args):
+    """The table's rows of one setting, one per --new_tokens: after one warm-up call of each
+    (first-call allocations and dispatch), --repeats rounds of ours, then theirs."""
+    ours(model, prompt, 8, args.seed)
+    theirs(hf, prompt, 8, args.seed)
+    rows = []
+    for new_tokens in args.new_tokens:
+        print(f"timing {name}, {new_tokens} tokens ...", file=sys.stderr, flush=True)
+        times = {"ours": [], "theirs": []}
+        for repeat in range(args.repeats):
+            times["ours"].append(ours(model, prompt, new_tokens, args.seed + repeat))
+            times["theirs"].append(theirs(hf, prompt, new_tokens, args.seed + repeat))
+        rate = {k: [new_tokens / t for t in v] for k, v in times.items()}
+        ratio = statistics.median(rate["ours"]) / statistics.median(rate["theirs"])
+        rows.append(f"| {name}, {new_tokens} new tokens | {spread(rate['ours'])} | "
+                    f"{spread(rate['theirs'])} | {ratio:.2f}x |")
+    return rows
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("--new_tokens", type=int, nargs="+", default=[200, 1000],
+                        help="tokens to draw per call, one row per count and setting")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls of each, alternating")
+    parser.add_argument("--n_layer", type=int, default=12, help="the GPT's shape, GPT-2 124M's by "
+                        "default; a smaller one for a quick check")
+    parser.add_argument("--n_head", type=int, default=12)
+    parser.add_argument("--n_embd", type=int, default=768)
+    parser.add_argument("--seed", type=int, default=1337, help="weights, prompt and samples")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or min(args.new_tokens) < 1 or min(args.n_layer, args.n_head) < 1:
+        raise UserError("--repeats, --new_tokens, --n_layer and --n_head must be >= 1")
+    if args.n_embd < 1 or args.n_embd % args.n_head:
+        raise UserError(f"--n_embd must be a positive multiple of --n_head={args.n_head}, got "
+                        f"{args.n_embd}")
+    config = Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    if PROMPT_TOKENS + max(args.new_tokens) > config.block_size:
+        raise UserError(f"--new_tokens at most {config.block_size - PROMPT_TOKENS}: transformers' "
+                        f"GPT-2 has no position beyond block_size={config.block_size}")
+    cpu_threads = torch.get_num_threads()
+    torch.manual_seed(args.seed)
+    model = GPT(config).eval()
+    hf = hf_twin(model)
+    import transformers  # hf_twin found it
+    prompt = torch.randint(0, 50257, (1, PROMPT_TOKENS))  # GPT-2's vocabulary, no padding ids
+    with torch.no_grad():
+        diff = (model(prompt)[0] - hf(prompt).logits).abs().max().item()
+    print(f"{config.n_layer} layers, n_embd {config.n_embd}, {PROMPT_TOKENS}-token prompt, top_k "
+          f"{TOP_K}; max |logits ours - transformers| on the prompt: {diff:.1e}; torch "
+          f"{torch.__version__}, transformers {transformers.__version__}\n")
+    rows = []
+    try:
+        for name, device, threads in settings(cpu_threads):
+            torch.set_num_threads(threads)
+            rows += time_setting(name, model.to(device), hf.to(device), prompt.to(device), args)
+    finally:  # main() also runs in the tests' process
+        torch.set_num_threads(cpu_threads)
+    print(f"| setting | ours tok/s, median (min-max) of {args.repeats} | transformers tok/s | "
+          f"ratio |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    configurator.run(main, "bench_sample.py")

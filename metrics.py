@@ -88,6 +88,32 @@ class TensorBoard:
         self.writer.close()
 
 
+def start_profiler(config, rank):
+    """A torch.profiler of this run's updates 4, 5 and 6, after warm-up, writing
+    {out_dir}/trace_rank{rank}.json (scripts/timeline.py draws it); None unless config.profile."""
+    if not config.profile:
+        return None
+    trace = Path(config.out_dir) / f"trace_rank{rank}.json"
+    profiler = torch.profiler.profile(
+        record_shapes=True,  # the collectives' sizes: bytes communicated per step
+        schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)))
+    profiler.start()
+    return profiler
+
+
+# dense bf16 tensor-core peak FLOP/s by device name, from NVIDIA's datasheets (SXM unless named)
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of a CUDA device, or None for a device not in PEAK_BF16_FLOPS or a CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
 def first_unlogged_step(log_path):
     """1 + the largest step of log.jsonl's records, 0 for none. Called after OutDir.start, which
     cut the records of the steps that this run logs again (and any damaged line): so the first
@@ -118,17 +144,18 @@ def close_sinks(sinks, failed):
 class Metrics:
     """The reports of a run from start_step (the step of the checkpoint it resumed from, 0 for
     none) on. out: rank 0's checkpoints.OutDir (None on the other ranks, which write no records);
-    flops_per_step: training FLOPs per optimizer step; peak: the device's peak FLOP/s, or None
-    where it is not known (then no MFU is reported).
+    flops_per_step: training FLOPs per optimizer step. MFU divides by config.peak_flops, or where
+    that is 0 by peak_flops(device); where neither is known, no MFU is reported.
 
     Opens the sinks of wandb_log and tensorboard on rank 0; raises UserError, on every rank, when
     one cannot be opened (a collective). Call close() at the end of the run."""
 
-    def __init__(self, out, config, world_size, device, flops_per_step, peak, start_step):
+    def __init__(self, out, config, world_size, device, flops_per_step, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
-        self.flops_per_step, self.peak, self.start_step = flops_per_step, peak, start_step
+        self.flops_per_step, self.start_step = flops_per_step, start_step
+        self.peak = config.peak_flops or peak_flops(device)
         self.dt_avg = 0.0  # seconds per step, for the ETA
-        if peak is None:
+        if self.peak is None:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
         self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
+import metrics
 import train_gpt2
 from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
 from shards import split_paths, write_shard
@@ -373,15 +374,15 @@ def test_flops_per_token_of_gpt2_124m():
                                         ("NVIDIA GeForce RTX 4090", None)])
 def test_peak_flops_by_device_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
-    assert train_gpt2.peak_flops(torch.device("cuda:0")) == peak
-    assert train_gpt2.peak_flops(torch.device("cpu")) is None
+    assert metrics.peak_flops(torch.device("cuda:0")) == peak
+    assert metrics.peak_flops(torch.device("cpu")) is None
 
 
 def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path, capsys):
     """On a GPU in PEAK_BF16_FLOPS each step logs mfu = FLOPs per step / dt / peak; here a CPU
     stands in, given a made-up peak, since CI has no GPU."""
     peak = 1e9
-    monkeypatch.setattr(train_gpt2, "peak_flops", lambda device: peak)
+    monkeypatch.setattr(metrics, "peak_flops", lambda device: peak)
     train_gpt2.main([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
                      "--total_batch_size=64", "--max_steps=3"])
     steps, _ = read_log(tmp_path)

@@ -11,13 +11,14 @@ and transformers' GPT-2 is built from its state dict (Conv1D weights transposed)
 the same function: the script prints the largest difference of their logits on the prompt.
 Both draw --new_tokens after the same random 16-token prompt, batch 1, top_k 50, temperature 1,
 float32; transformers with min_new_tokens=max_new_tokens, so it never stops at <|endoftext|>.
+Ours samples as scripts/sample.py does, with GPT.use_decoding_layout() (a no-op off CPU).
 Each setting (CPU at 1 thread, CPU at all of torch's threads, CUDA when present) runs one
 untimed warm-up of each, then --repeats rounds that time ours, then theirs. tok/s counts the new
 tokens over the wall time of the whole call, prefill included. transformers is needed only here
 and in the tests: pip install transformers.
 """
 
-import argparse
+import copy
 import statistics
 import sys
 import time
@@ -115,7 +116,7 @@ def time_setting(name, model, hf, prompt, args):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser = configurator.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]))
     parser.add_argument("--new_tokens", type=int, nargs="+", default=[200, 1000],
                         help="tokens to draw per call, one row per count and setting")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of each, alternating")
@@ -141,7 +142,8 @@ def main(argv):
     import transformers  # hf_twin found it
     prompt = torch.randint(0, 50257, (1, PROMPT_TOKENS))  # GPT-2's vocabulary, no padding ids
     with torch.no_grad():
-        diff = (model(prompt)[0] - hf(prompt).logits).abs().max().item()
+        ours_logits = copy.deepcopy(model).use_decoding_layout()(prompt)[0]
+        diff = (ours_logits - hf(prompt).logits).abs().max().item()
     print(f"{config.n_layer} layers, n_embd {config.n_embd}, {PROMPT_TOKENS}-token prompt, top_k "
           f"{TOP_K}; max |logits ours - transformers| on the prompt: {diff:.1e}; torch "
           f"{torch.__version__}, transformers {transformers.__version__}\n")
@@ -149,7 +151,10 @@ def main(argv):
     try:
         for name, device, threads in settings(cpu_threads):
             torch.set_num_threads(threads)
-            rows += time_setting(name, model.to(device), hf.to(device), prompt.to(device), args)
+            # as scripts/sample.py samples: from_pretrained's model in the decoding layout
+            sampler = copy.deepcopy(model).to(device).use_decoding_layout()
+            rows += time_setting(name, sampler, hf.to(device), prompt.to(device), args)
+            del sampler
     finally:  # main() also runs in the tests' process
         torch.set_num_threads(cpu_threads)
     print(f"| setting | ours tok/s, median (min-max) of {args.repeats} | transformers tok/s | "

@@ -75,7 +75,7 @@ def main(argv):
         except UnicodeDecodeError as e:
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
-    model = GPT.from_pretrained(args.source, args.device)
+    model = GPT.from_pretrained(args.source, args.device).use_decoding_layout()
     if args.compile:
         model.compile()  # GPT.__call__, which generate() calls; the cache's pos turns dynamic
     enc = gpt2_encoding()

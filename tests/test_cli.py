@@ -19,8 +19,9 @@ from check_equivalence import main as check_equivalence_main
 from conftest import TINY
 from configurator import UserError, help_lines
 
-SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_tokenizer",
-           "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline"]
+SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_sample",
+           "bench_tokenizer", "check_equivalence", "check_torch_versions", "export_hf", "plot",
+           "sample", "timeline"]
 
 
 def test_hyphen_spellings_parse_as_the_underscore_options():

@@ -1,5 +1,5 @@
 """GPT.generate's KV cache: the tokens and logits of running the whole window for every token,
-across block_size, for a batch, and at GPT-2 124M's shape."""
+across block_size, for a batch, and at GPT-2 124M's shape; the same with use_decoding_layout()."""
 
 import pytest
 import torch
@@ -56,11 +56,19 @@ def assert_cache_changes_nothing(shape, batch, prompt_len, max_new_tokens, tempe
     with torch.no_grad():
         expected, expected_logits = reference_generate(
             model, idx, max_new_tokens, torch.Generator().manual_seed(seed), temperature, top_k)
-    tokens, logits = cached_generate(model, idx, max_new_tokens,
-                                     torch.Generator().manual_seed(seed), temperature, top_k)
-    assert tokens.shape == (batch, max_new_tokens)
-    assert torch.equal(tokens, expected)
-    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # the model as it is trained, then as scripts/sample.py samples it
+    for sampler in (model, model.use_decoding_layout()):
+        tokens, logits = cached_generate(sampler, idx, max_new_tokens,
+                                         torch.Generator().manual_seed(seed), temperature, top_k)
+        assert tokens.shape == (batch, max_new_tokens)
+        assert torch.equal(tokens, expected)
+        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
+    weight = model.transformer.h[0].attn.c_attn.weight  # (3 * n_embd, n_embd), stored (in, out)
+    assert weight.stride() == (1, weight.size(0))
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("batch, prompt_len, temperature, top_k", [

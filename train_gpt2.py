@@ -1012,9 +1012,15 @@ def main(argv):
     check_torch_version()
     config = load_config(argv)
     rank, world_size, device = setup_distributed(config)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         return train(config, rank, world_size, device)
     finally:
+        # the loop's handlers (catch_stop_signals) end with it: a process that goes on after
+        # main() would ignore its first SIGTERM, and so would the workers it forks, which
+        # multiprocessing.Pool ends with one SIGTERM (prepare_data.py's pool hung on that)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         teardown_distributed()
 
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -392,6 +393,16 @@ def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path,
         assert s["mfu"] == pytest.approx(flops_per_step / (s["dt_ms"] / 1000) / peak, rel=1e-9)
     out = capsys.readouterr().out
     assert out.count("| mfu: ") == 3 and "MFU not reported" not in out
+
+
+def test_a_run_in_this_process_leaves_the_signal_handlers_as_it_found_them(tiny_data, tmp_path):
+    """The loop's SIGINT and SIGTERM handlers end with the run: left behind, they made the workers
+    of a later multiprocessing.Pool in the same process survive the SIGTERM that ends them, and
+    the pool waited for them forever."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    train_gpt2.main([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                     "--total_batch_size=64", "--max_steps=1"])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys):

@@ -23,8 +23,9 @@ try:
 except ImportError:
     fcntl = None
 
-KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint holds, besides
-# "sha256"; since 2026-11-24 also "evaluated": whether the evaluations of its step ran before it
+# what every checkpoint holds, besides "sha256"; since 2026-11-24 also "evaluated": whether the
+# evaluations of its step ran before it
+KEYS = ("model", "optimizer", "config", "step", "loader")
 PATTERN = "ckpt_*.pt"
 
 
@@ -252,7 +253,8 @@ class OutDir:
         records up to the checkpoint resumed from, step start_step (the evaluations of its step
         too, which ran before it was saved or, after a stop, not at all), dropping those a killed
         run logged after it (they run again), any damaged line, and on a fresh start everything;
-        or, with `overwrite` (a list of checkpoints), sets the log aside. The checkpoint resumed from is never pruned by this run.
+        or, with `overwrite` (a list of checkpoints), sets the log aside. The checkpoint resumed
+        from is never pruned by this run.
 
         Raises UserError when out_dir cannot be written.
         """

@@ -38,8 +38,9 @@ def train(world_size, train_args, out_dir, python=sys.executable, label=None):
 def compare(train_args, world_sizes, out_root):
     """Trains at each world size; returns {world_size: {"step", "loss", "grad_norm", "val_loss",
     "hellaswag", "max_param_diff"}}: the steps (from 1) with their losses and gradient norms
-    (before clipping) as lists, the HellaSwag results as (acc_norm, acc, examples) per evaluation (none unless
-    hellaswag_interval is set), and the largest absolute weight difference to world size 1."""
+    (before clipping) as lists, the HellaSwag results as (acc_norm, acc, examples) per evaluation
+    (none unless hellaswag_interval is set), and the largest absolute weight difference to world
+    size 1."""
     trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
     ref_model = trained[world_sizes[0]][-1]
     results = {}

@@ -174,6 +174,8 @@ def main(argv):
                         help="also run the config (with its own compile setting) at these B")
     parser.add_argument("--out_dir", default="out/bench")
     args, train_args = parser.parse_known_args(argv)
+    if min(args.nproc, args.steps) < 1:
+        parser.error("--nproc and --steps must be >= 1")
     variants = [parse_variant(v) for v in args.variants]
     variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
     rows = {}

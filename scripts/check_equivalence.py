@@ -92,6 +92,8 @@ def main(argv):
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out_dir", default="out/check_equivalence")
     args, train_args = parser.parse_known_args(argv)
+    if min(args.world_sizes) < 1:
+        parser.error("--world_sizes must be >= 1")
     results = compare(train_args, args.world_sizes, args.out_dir)
     print_table(results)
 

@@ -80,6 +80,8 @@ def main(argv):
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--out_dir", default="out/check_torch_versions")
     args, train_args = parser.parse_known_args(argv)
+    if args.world_size < 1:
+        parser.error("--world_size must be >= 1")
     print(f"max |diff| to torch {torch_version(sys.executable)} ({sys.executable}), world size "
           f"{args.world_size}:", flush=True)
     versions, results = compare_versions([sys.executable, *args.python], train_args,

@@ -119,6 +119,19 @@ def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
     assert all(len(line) <= 100 and line == line.rstrip() for line in lines)
 
 
+@pytest.mark.parametrize("name, argv, message", [
+    ("check_equivalence", ["--world_sizes", "1", "0"], "--world_sizes must be >= 1"),
+    ("check_torch_versions", ["--python", "python", "--world_size=0"], "--world_size must be >= 1"),
+    ("bench", ["--nproc", "0"], "--nproc and --steps must be >= 1"),
+])
+def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, capsys):
+    """torchrun itself answers --nproc_per_node=0 with a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(name).main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
 def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, capsys):
     check_equivalence_main(["--world-sizes", "1", "--out-dir", str(tmp_path), *TINY,
                             f"--data-dir={tiny_data}", "--total-batch-size=32", "--max-steps=1"])

@@ -360,6 +360,7 @@ def main(argv=None):
     if args.dataset:
         name = args.name or args.dataset.rstrip("/").split("/")[-1].lower()
         what = f"dataset {args.dataset}"
+        files, builder, builder_kwargs = [], None, {}
     else:
         patterns = args.input or [str(TINYSHAKESPEARE_PATH)]
         files, (builder, builder_kwargs) = _expand_inputs(patterns)
@@ -381,26 +382,7 @@ def main(argv=None):
         raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
                         f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
 
-    # imported here because it is slow to import and train_gpt2.py only needs gpt2_encoding()
-    import datasets
-    from datasets import load_dataset
-    # its logger would print the parse errors that _read_error() reports in one line, once more
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-
-    if args.dataset:
-        sources = [(args.dataset, load_dataset(args.dataset, args.dataset_config,
-                                               split=args.split, streaming=True))]
-    else:
-        # one dataset per file so that errors can name the file; zero-byte files hold no
-        # documents (and the json and parquet builders crash on them)
-        sources = []
-        for f in files:
-            if os.path.getsize(f) > 0:
-                try:
-                    sources.append((f, load_dataset(builder, data_files=f, split="train",
-                                                    streaming=True, **builder_kwargs)))
-                except Exception as e:
-                    raise _read_error(f, e) from None
+    sources = _sources(args, files, builder, builder_kwargs)
     for where, dataset in sources:
         try:
             first_row = next(iter(dataset), None)
@@ -442,6 +424,39 @@ def main(argv=None):
     for split in ("val", "train"):
         shards, tokens = writer.stats.get(split, (0, 0))
         print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+
+
+def _sources(args, files, builder, builder_kwargs):
+    """The (name, rows) sources to tokenize, rows an iterable of dicts that can be read twice: a
+    hub dataset, streamed, or one source per local file (so that errors can name it). A .txt file
+    is one row {"text": its contents}, read as `datasets`' text builder with sample_by=document
+    reads it (UTF-8, universal newlines) but without `datasets`, so that the embedded corpus
+    needs no more than the training does (GPU machines without a package index lack it)."""
+    if builder == "text":
+        # zero-byte files hold no documents
+        return [(f, [{"text": Path(f).read_text(encoding="utf-8")}]) for f in files
+                if os.path.getsize(f) > 0]
+    try:  # imported here: slow to import, and only the hub and json/parquet need it
+        import datasets
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError(f"{'--dataset' if args.dataset else 'json and parquet input'} needs the "
+                        f"datasets package: pip install datasets") from None
+    # its logger would print the parse errors that _read_error() reports in one line, once more
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if args.dataset:
+        return [(args.dataset, load_dataset(args.dataset, args.dataset_config, split=args.split,
+                                            streaming=True))]
+    sources = []
+    for f in files:
+        # the json and parquet builders crash on zero-byte files, which hold no documents
+        if os.path.getsize(f) > 0:
+            try:
+                sources.append((f, load_dataset(builder, data_files=f, split="train",
+                                                streaming=True, **builder_kwargs)))
+            except Exception as e:
+                raise _read_error(f, e) from None
+    return sources
 
 
 def _recorded_source(manifest_path):

@@ -139,8 +139,12 @@ def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
+    """The embedded corpus's shards, made without `datasets` (GPU machines without a package index
+    lack it, and scripts/gpu_check.py makes its data there)."""
     out_dir = tmp_path_factory.mktemp("tinyshakespeare")
-    run("--output_dir", out_dir, "--workers", 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+        run("--output_dir", out_dir, "--workers", 1)
     return out_dir
 
 
@@ -196,6 +200,23 @@ def test_txt_files_are_one_document_each(tmp_path):
     assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
     assert split_stream(out_dir, "val").tolist() == [EOT_TOKEN]
     assert split_stream(out_dir, "train").tolist() == [15496, 995, EOT_TOKEN, 262]
+
+
+def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_path, monkeypatch):
+    """.txt input is read without `datasets`, and as its text builder with sample_by=document
+    reads it (the reference): UTF-8, universal newlines. json input without it is one line."""
+    from datasets import load_dataset
+    path = tmp_path / "crlf.txt"
+    path.write_bytes("Hello\r\nworld\r\n\rÇa va 🤖\n".encode())
+    reference = [row["text"] for row in load_dataset("text", data_files=str(path), split="train",
+                                                     sample_by="document", streaming=True)]
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    [(where, rows)] = prepare_data._sources(prepare_data._parse_args([]), [str(path)], "text", {})
+    assert [row["text"] for row in rows] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
+    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
+    with pytest.raises(UserError, match=r"^json and parquet input needs the datasets package: "
+                                        r"pip install datasets$"):
+        run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out")
 
 
 def write_rows(path, rows):

@@ -4,6 +4,7 @@ GPT2LMHeadModel.generate, on the same random weights.
 
     python scripts/bench_sample.py                                  # 124M, 200 and 1000 tokens
     python scripts/bench_sample.py --new_tokens 200 --repeats 3
+    python scripts/bench_sample.py --devices cuda                   # the GPU alone
     python scripts/bench_sample.py --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
 
 A GPT of the given shape (GPT-2 124M by default, vocab_size 50304) is initialized from --seed,
@@ -82,11 +83,12 @@ def theirs(hf, prompt, new_tokens, seed):
     return time.perf_counter() - t0
 
 
-def settings(cpu_threads):
-    """(name, device, threads) of each setting: CPU at 1 thread and at cpu_threads, and CUDA."""
+def settings(cpu_threads, devices):
+    """(name, device, threads) of each setting: for "cpu" in devices, CPU at 1 thread and at
+    cpu_threads; for "cuda", CUDA."""
     rows = [(f"cpu, {n} thread{'s' * (n > 1)}", torch.device("cpu"), n)
-            for n in sorted({1, cpu_threads})]
-    if torch.cuda.is_available():
+            for n in sorted({1, cpu_threads}) if "cpu" in devices]
+    if "cuda" in devices:
         rows.append((f"cuda ({torch.cuda.get_device_name()})", torch.device("cuda"), cpu_threads))
     return rows
 
@@ -125,7 +127,13 @@ def main(argv):
     parser.add_argument("--n_head", type=int, default=12)
     parser.add_argument("--n_embd", type=int, default=768)
     parser.add_argument("--seed", type=int, default=1337, help="weights, prompt and samples")
+    parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"],
+                        default=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"],
+                        help="where to time: cpu (1 thread and all), cuda (default: both where "
+                             "there is a GPU)")
     args = parser.parse_args(argv)
+    if "cuda" in args.devices and not torch.cuda.is_available():
+        raise UserError("--devices cuda: torch sees no CUDA device here; pass --devices cpu")
     if args.repeats < 1 or min(args.new_tokens) < 1 or min(args.n_layer, args.n_head) < 1:
         raise UserError("--repeats, --new_tokens, --n_layer and --n_head must be >= 1")
     if args.n_embd < 1 or args.n_embd % args.n_head:
@@ -149,7 +157,7 @@ def main(argv):
           f"{torch.__version__}, transformers {transformers.__version__}\n")
     rows = []
     try:
-        for name, device, threads in settings(cpu_threads):
+        for name, device, threads in settings(cpu_threads, args.devices):
             torch.set_num_threads(threads)
             # as scripts/sample.py samples: from_pretrained's model in the decoding layout
             sampler = copy.deepcopy(model).to(device).use_decoding_layout()

@@ -21,7 +21,7 @@ from configurator import UserError, help_lines
 
 SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_sample",
            "bench_tokenizer", "check_equivalence", "check_torch_versions", "export_hf", "plot",
-           "sample", "timeline"]
+           "sample", "timeline", "gpu_check"]
 
 
 def test_hyphen_spellings_parse_as_the_underscore_options():

@@ -1,0 +1,307 @@
+"""
+One command for a GPU machine, with nothing but the repo: makes its data without the network,
+runs the CUDA tests, and measures GPT-2 124M on one GPU; writes report.md and each part's log
+into REPORT_DIR.
+
+    python scripts/gpu_check.py REPORT_DIR                  # every part
+    python scripts/gpu_check.py REPORT_DIR --part tests     # some parts (--part compile modes)
+    python scripts/gpu_check.py REPORT_DIR --dry_run        # print the plan, run nothing (any machine)
+    python scripts/gpu_check.py REPORT_DIR --tiny           # every part, toy-sized, on the CPU
+
+The parts (PARTS below), each with a time limit that kills a hang, its processes and all:
+  tests    python -m pytest tests/test_cuda.py: every CUDA path (bf16, compile, flash attention,
+           NCCL in ddp/zero2/fsdp, exact mode, the memory plan, HellaSwag, checkpoints, Muon)
+  compile  scripts/bench.py on configs/gpt2_124m.toml: eager against torch.compile at micro-batch
+           32, and compiled at 16
+  modes    the same: ddp, zero2, fsdp at world size 1, exact_reduction's cost, Muon's cost
+  sample   scripts/bench_sample.py: the KV-cache sampler against transformers' on the GPU
+
+The benchmarks train on the embedded tiny shakespeare corpus (prepare_data.py, which needs no
+`datasets`; speed does not depend on the tokens) with HellaSwag off, 131,072 tokens a step:
+micro-batch 32 x 1024 needs 32,769 val tokens, and the corpus's val split has 33,802. Their
+data and runs (their profiler traces too) go to out/gpu_check/ (--scratch).
+
+REPORT_DIR gets at most 6 files: report.md, results.json (what report.md is made from; parts run
+by separate commands into one folder add up) and {part}.log. report.md has a table of the parts
+(passed, failed, timed out), the tests' summary, each benchmark's table (tokens/s, MFU, memory,
+where a step's time goes) and, for a part that failed, the end of its log. docs/perf.md says
+what each column means; the goal for 124M on one H100 is 50% MFU.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import configurator  # noqa: E402
+from atomic import atomic_write  # noqa: E402
+from configurator import UserError  # noqa: E402
+
+PYTHON = sys.executable
+CONFIG = "configs/gpt2_124m.toml"
+# the benchmarks' batch: micro-batch 32 fits the corpus's val split (and an H100 at 124M)
+BENCH_ARGS = ["--hellaswag_interval=0",
+              "--micro_batch_size=32", "--total_batch_size=131072", "--nproc", "1", "--steps", "5"]
+# --tiny: a 1-layer GPT with GPT-2's vocabulary on the CPU, one timed step
+TINY_ARGS = ["--hellaswag_interval=0", "--n_layer=1",
+             "--n_head=2", "--n_embd=32", "--seq_len=32", "--micro_batch_size=2",
+             "--total_batch_size=128", "--device=cpu", "--compile=false", "--nproc", "1",
+             "--steps", "1"]
+
+
+def prepare(scratch):
+    """The embedded corpus's shards into scratch/data (a rerun has nothing to do)."""
+    return [PYTHON, "prepare_data.py", "--output_dir", f"{scratch}/data"]
+
+
+def bench(part, variants, micro_batch_sizes, tiny, scratch):
+    """bench.py's command for a part; tiny: its first variant alone (seconds per run on a CPU)."""
+    if tiny:
+        variants, micro_batch_sizes = variants[:1], []
+    return [PYTHON, "scripts/bench.py", CONFIG, f"--data_dir={scratch}/data",
+            *(TINY_ARGS if tiny else BENCH_ARGS), "--variants", *variants,
+            *(["--micro_batch_sizes", *map(str, micro_batch_sizes)] if micro_batch_sizes else []),
+            "--out_dir", f"{scratch}/{part}"]
+
+
+# name: (time limit in seconds, what it measures, its commands for (tiny, scratch))
+PARTS = {
+    "tests": (480, "every CUDA path as a test (tests/test_cuda.py)", lambda tiny, scratch: [
+        [PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
+         *(["-k", "kv_cache"] if tiny else [])]]),
+    "compile": (420, "eager against torch.compile, micro-batch 32 and 16", lambda tiny, scratch: [
+        prepare(scratch), bench("compile", ["eager", "compile"], [16], tiny, scratch)]),
+    "modes": (480, "ddp, zero2 and fsdp at world size 1, exact_reduction, Muon", lambda tiny, scratch: [
+        prepare(scratch), bench("modes", ["ddp", "zero2", "fsdp",
+                                          "ddp_exact:--exact_reduction=true", "muon"], [], tiny,
+                                scratch)]),
+    "sample": (240, "the KV-cache sampler against transformers' generate", lambda tiny, scratch: [
+        [PYTHON, "scripts/bench_sample.py", *(
+            ["--devices", "cpu", "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
+             "--new_tokens", "8", "--repeats", "1"] if tiny else
+            ["--devices", "cuda", "--new_tokens", "200", "1000", "--repeats", "3"])]]),
+}
+MFU_GOAL = 0.5  # of the H100's dense bf16 peak, for 124M on one GPU
+
+
+def shell(command):
+    """command (argv) as a line to paste into a shell, with `python` for this interpreter."""
+    words = ["python" if word == PYTHON else word for word in command]
+    return " ".join(f"'{w}'" if any(c in w for c in " :*") else w for w in words)
+
+
+def check_plan(tiny, scratch):
+    """Loads every benchmark run's train_gpt2.py config, as bench.py will build it: a bad key,
+    variant or batch fails here, before a GPU spends minutes. Raises UserError."""
+    import bench  # scripts/, beside this file
+    from train_gpt2 import grad_accum_steps, load_config
+    for name, (_, _, commands) in PARTS.items():
+        for command in commands(tiny, scratch):
+            if "scripts/bench.py" not in command:
+                continue
+            args = command[command.index(CONFIG):command.index("--out_dir")]
+            train_args = [a for a in args[:args.index("--variants")]
+                          if a.endswith(".toml") or (a.startswith("--") and "=" in a)]
+            variants = args[args.index("--variants") + 1:]
+            sizes = []
+            if "--micro_batch_sizes" in variants:
+                at = variants.index("--micro_batch_sizes")
+                variants, sizes = variants[:at], variants[at + 1:]
+            runs = [bench.parse_variant(v)[1] for v in variants] + [[f"--micro_batch_size={b}"]
+                                                                     for b in sizes]
+            for overrides in runs:
+                try:
+                    grad_accum_steps(load_config([*train_args, *overrides]), 1)
+                except UserError as e:
+                    raise UserError(f"part {name}, {' '.join(overrides)}: {e}") from None
+
+
+def print_plan(parts, tiny, report_dir, scratch):
+    total = sum(PARTS[p][0] for p in parts)
+    print(f"gpu_check plan{' (--tiny, on the CPU)' if tiny else ''}: {len(parts)} part(s); a part "
+          f"past its limit is killed ({total // 60} min of limits in all); report in "
+          f"{report_dir}/report.md")
+    for name in parts:
+        limit, what, commands = PARTS[name]
+        print(f"\n{name} (limit {limit // 60} min {limit % 60:02d} s): {what}")
+        for command in commands(tiny, scratch):
+            print(f"  {shell(command)}")
+
+
+def run_command(command, log, deadline):
+    """Runs command in the repo root, its output appended to `log` (a file) and echoed; returns
+    (exit code or "timed out", its stdout). Past `deadline` (time.monotonic()) its whole process
+    group is killed: torchrun's workers and bench.py's runs go with it."""
+    log.write(f"$ {shell(command)}\n")
+    log.flush()
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    stdout, lock = [], threading.Lock()
+
+    def read(pipe, keep):
+        with pipe:
+            for line in pipe:
+                with lock:
+                    log.write(line)
+                    log.flush()
+                    print(line, end="", flush=True)
+                    if keep:
+                        stdout.append(line)
+
+    readers = [threading.Thread(target=read, args=(child.stdout, True), daemon=True),
+               threading.Thread(target=read, args=(child.stderr, False), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        code = child.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        code = "timed out"
+    for reader in readers:
+        reader.join(5)
+    return code, "".join(stdout)
+
+
+def run_part(name, tiny, report_dir, scratch):
+    """Runs one part's commands in order, until one fails; returns its result for results.json."""
+    limit, what, commands = PARTS[name]
+    start = time.monotonic()
+    result = {"what": what, "limit_s": limit, "commands": [], "status": "passed"}
+    with open(report_dir / f"{name}.log", "w") as log:
+        for command in commands(tiny, scratch):
+            code, stdout = run_command(command, log, start + limit)
+            result["commands"].append({"command": shell(command), "exit": code, "stdout": stdout})
+            if code != 0:
+                result["status"] = "timed out" if code == "timed out" else "failed"
+                break
+    result["seconds"] = round(time.monotonic() - start, 1)
+    with open(report_dir / f"{name}.log") as log:
+        result["log_tail"] = log.read().splitlines()[-40:]
+    return result
+
+
+def machine():
+    """The machine, torch and the repo's commit, for the report's head."""
+    import torch
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return {"gpus": ", ".join(gpus) or "none (CPU)", "torch": torch.__version__,
+            "cuda": torch.version.cuda or "-", "python": sys.version.split()[0],
+            "commit": commit}
+
+
+def bench_rows(stdout):
+    """bench.py's table in its stdout: the header line, the rule and the rows."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("variant ")), None)
+    return [] if start is None else lines[start:]
+
+
+def part_section(name, result):
+    lines = [f"## {name}: {result['status']} in {result['seconds']:.0f} s (limit "
+             f"{result['limit_s']} s)", "", result["what"] + ".", ""]
+    for command in result["commands"]:
+        lines.append(f"    {command['command']}")
+    lines.append("")
+    stdout = result["commands"][-1]["stdout"] if result["commands"] else ""
+    if name == "tests":
+        summary = stdout.splitlines()
+        start = next((i for i, line in enumerate(summary) if "short test summary" in line), None)
+        kept = summary[start + 1:] if start is not None else summary[-1:]
+        lines += ["```", *kept, "```", ""] if kept else []
+    rows = bench_rows(stdout)
+    if rows:
+        lines += ["```", *rows, "```", ""]
+        mfus = [float(row.split()[3].rstrip("%")) for row in rows[2:]
+                if row.split()[3].rstrip("%").replace(".", "", 1).isdigit()]
+        if mfus:
+            verdict = "reached" if max(mfus) >= MFU_GOAL * 100 else "not reached"
+            lines += [f"Best MFU {max(mfus):.1f}%; the goal of {MFU_GOAL:.0%} for 124M on one "
+                      f"H100 is {verdict}. fwd+bwd, optim and data ms say where a step's time "
+                      f"goes; the traces are in the scratch folder's {name}/*/trace_rank0.json.", ""]
+    if name == "sample":
+        lines += [line for line in stdout.splitlines() if line.startswith("|")] + [""]
+    if result["status"] != "passed":
+        lines += [f"The end of {name}.log:", "", "```", *result["log_tail"], "```", ""]
+    return lines
+
+
+def write_report(report_dir, results, info):
+    """report.md from results.json's parts, in PARTS order."""
+    lines = ["# gpu_check report", "",
+             f"{info['date']}; GPUs: {info['gpus']}; torch {info['torch']} (CUDA {info['cuda']}), "
+             f"Python {info['python']}; commit {info['commit']}.", "",
+             "| part | result | seconds | limit |", "| --- | --- | --- | --- |"]
+    names = [name for name in PARTS if name in results]
+    for name in names:
+        r = results[name]
+        lines.append(f"| {name} | {r['status']} | {r['seconds']:.0f} | {r['limit_s']} |")
+    lines.append("")
+    for name in names:
+        lines += part_section(name, results[name])
+    atomic_write(report_dir / "report.md", lambda f: f.write("\n".join(lines).encode()))
+
+
+def main(argv):
+    parser = configurator.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]).strip())
+    parser.add_argument("report_dir", help="where report.md, results.json and the logs go")
+    parser.add_argument("--part", nargs="+", choices=list(PARTS), default=list(PARTS),
+                        help="the parts to run, in PARTS order (default: all)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the plan and check its configs; run nothing")
+    parser.add_argument("--scratch", default="out/gpu_check",
+                        help="the data, the benchmarks' runs and their profiler traces")
+    parser.add_argument("--tiny", action="store_true",
+                        help="every part on the CPU at toy sizes, one test and each benchmark's "
+                             "first variant: checks the script, measures nothing")
+    args = parser.parse_args(argv)
+    parts = [name for name in PARTS if name in args.part]
+    report_dir = Path(args.report_dir)
+    import torch
+    if not (args.tiny or args.dry_run or torch.cuda.is_available()):
+        raise UserError("torch sees no CUDA GPU here: pass --dry-run to see the plan, or --tiny "
+                        "to run it at toy sizes on the CPU")
+    check_plan(args.tiny, args.scratch)
+    print_plan(parts, args.tiny, report_dir, args.scratch)
+    if args.dry_run:
+        return
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make {report_dir}: {e.strerror}") from None
+    results_path = report_dir / "results.json"
+    try:  # parts run by earlier commands into the same folder stay in the report
+        results = json.loads(results_path.read_text())["parts"]
+    except (OSError, ValueError, KeyError):
+        results = {}
+    info = {**machine(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    for name in parts:
+        print(f"\n=== gpu_check: {name} ===", flush=True)
+        results[name] = run_part(name, args.tiny, report_dir, args.scratch)
+        atomic_write(results_path, lambda f: f.write(json.dumps(
+            {"info": info, "parts": results}, indent=1).encode()))
+        write_report(report_dir, results, info)
+        print(f"=== gpu_check: {name} {results[name]['status']} in "
+              f"{results[name]['seconds']:.0f} s ===", flush=True)
+    print(f"\nreport: {report_dir / 'report.md'}")
+    failed = [name for name in parts if results[name]["status"] != "passed"]
+    if failed:
+        raise UserError(f"part(s) {', '.join(failed)} did not pass: see {report_dir / 'report.md'}")
+
+
+if __name__ == "__main__":
+    configurator.run(main, "gpu_check.py")

@@ -343,6 +343,7 @@ def test_memory_plan_within_10_percent_of_the_allocator(cuda, tmp_path, micro_ba
     CUDA allocator saw (torch.cuda.max_memory_allocated, log.jsonl's mem_gb) over 2 steps."""
     tokens = micro_batch_size * 1024
     rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
     for split in ("train", "val"):
         write_shard(tmp_path / "data" / f"random_{split}_000000.bin", rng.integers(0, 50257, tokens + 1))
     args = [str(ROOT / "configs" / "gpt2_124m.toml"), f"--data_dir={tmp_path / 'data'}",
@@ -359,7 +360,8 @@ def test_a_cuda_checkpoint_resumes_and_samples_on_cpu(cuda, tmp_path):
     """A checkpoint saved by a CUDA run (bf16 autocast, compiled) resumes on the CPU, which goes
     on from its step, and scripts/sample.py samples from it on the CPU."""
     make_shards(tmp_path / "data")
-    common = [*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}"]
+    common = [*TINY, "--total_batch_size=64", f"--data_dir={tmp_path / 'data'}",
+              f"--out_dir={tmp_path / 'out'}"]
     run_python([*common, "--compile=true", "--max_steps=4"])
     run_python([*common, "--device=cpu", "--max_steps=6"])
     steps, _ = read_log(tmp_path / "out")

@@ -121,28 +121,29 @@ def test_bf16_autocast_trains(device):
     assert losses[0] > 5.5 and losses[-1] < losses[0] / 2, losses
 
 
-def test_compile_agrees_with_eager_and_draws_its_dropout_masks(device, monkeypatch):
+def test_compile_agrees_with_eager_and_draws_its_dropout_masks(device):
     """torch.compile's forward and backward give eager's loss and gradients under training's
     autocast (to bf16 tolerance on CUDA, to float32's on CPU), with dropout on: a model that
     train_gpt2.build_model sets up for compile (fallback_random) draws eager's masks for the same
     seed, so compile changes no run's randomness (the equivalence across world sizes seeds
     dropout per micro-batch). Other masks move the gradients by 30-80% (measured on CPU), far
     beyond either tolerance."""
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", False)  # restored after
-    torch._dynamo.reset()
-    model = build_model(Config(**{**SMALL, "n_embd": 32, "block_size": 32}, dropout=0.1,
-                               compile=True), device).train()
-    assert torch._inductor.config.fallback_random
-    compiled = torch.compile(model)
-    x, y = markov_batches(device, 1, B=2, T=16)[0]
-    results = []
-    for m in (model, compiled):
-        model.zero_grad()
-        torch.manual_seed(2)
-        with training_autocast(device):
-            _, loss = m(x, y)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    # inductor's config.patch restores the setting after (pytest's monkeypatch deleted it on 2.11)
+    with torch._inductor.config.patch(fallback_random=False):
+        torch._dynamo.reset()
+        model = build_model(Config(**{**SMALL, "n_embd": 32, "block_size": 32}, dropout=0.1,
+                                   compile=True), device).train()
+        assert torch._inductor.config.fallback_random
+        compiled = torch.compile(model)
+        x, y = markov_batches(device, 1, B=2, T=16)[0]
+        results = []
+        for m in (model, compiled):
+            model.zero_grad()
+            torch.manual_seed(2)
+            with training_autocast(device):
+                _, loss = m(x, y)
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     rtol = BF16_RTOL if device.type == "cuda" else FP32_RTOL
     assert relative_error(compiled_loss, eager_loss) < rtol
@@ -150,15 +151,15 @@ def test_compile_agrees_with_eager_and_draws_its_dropout_masks(device, monkeypat
         assert relative_error(compiled_grads[name], grad) < rtol, name
 
 
-def test_inductor_draws_other_dropout_masks_without_fallback_random(device, monkeypatch):
+def test_inductor_draws_other_dropout_masks_without_fallback_random(device):
     """Why build_model sets fallback_random: without it inductor's dropout draws other masks than
     eager's for the same seed (and the test above could tell)."""
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", False)
-    torch._dynamo.reset()
-    dropout = torch.compile(lambda t: F.dropout(t, 0.5, training=True))
-    ones = torch.ones(4096, device=device)
-    torch.manual_seed(1)
-    inductors = dropout(ones)
+    with torch._inductor.config.patch(fallback_random=False):
+        torch._dynamo.reset()
+        dropout = torch.compile(lambda t: F.dropout(t, 0.5, training=True))
+        ones = torch.ones(4096, device=device)
+        torch.manual_seed(1)
+        inductors = dropout(ones)
     torch.manual_seed(1)
     assert not torch.equal(inductors, F.dropout(ones, 0.5, training=True))
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import bench_sample
 from configurator import UserError
@@ -100,3 +101,10 @@ def test_bench_sample_without_transformers_says_what_to_install(monkeypatch):
 def test_bench_sample_refuses_bad_flags_in_one_line(args, message):
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
         bench_sample.main(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU to time")
+def test_bench_sample_without_a_gpu_refuses_devices_cuda_in_one_line():
+    with pytest.raises(UserError, match="^--devices cuda: torch sees no CUDA device here; pass "
+                                        "--devices cpu$"):
+        bench_sample.main(["--devices", "cuda"])

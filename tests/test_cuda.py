@@ -143,7 +143,8 @@ def test_compile_agrees_with_eager_and_draws_its_dropout_masks(device):
             with training_autocast(device):
                 _, loss = m(x, y)
             loss.backward()
-            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            results.append((loss.detach(), grads))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     rtol = BF16_RTOL if device.type == "cuda" else FP32_RTOL
     assert relative_error(compiled_loss, eager_loss) < rtol

@@ -97,10 +97,14 @@ def test_owners_split_the_newton_schulz_work_evenly():
 
 @pytest.fixture(scope="module")
 def muon_runs(equiv_data_dir, tmp_path_factory):
-    """The MUON config in each sharding mode at world sizes 1, 2 and 4, and the folder of each."""
+    """The MUON config in ddp at world sizes 1, 2 and 4, in zero2 and fsdp at 2 and 4 (one rank
+    owns every matrix there, as in ddp at 1), and the folder of each mode's runs."""
     out = tmp_path_factory.mktemp("muon")
-    return {mode: (compare([*muon_args(equiv_data_dir), f"--sharding={mode}"], [1, 2, 4], out / mode),
-                   out / mode) for mode in ("ddp", "zero2", "fsdp")}
+    return {mode: (compare([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode],
+                           out / mode), out / mode) for mode in WORLD_SIZES}
+
+
+WORLD_SIZES = {"ddp": [1, 2, 4], "zero2": [2, 4], "fsdp": [2, 4]}
 
 
 @pytest.mark.compat
@@ -108,10 +112,11 @@ def test_muon_trains_bitwise_the_same_model_at_every_world_size_and_mode(muon_ru
     reference = muon_runs["ddp"][0][1]
     assert reference["loss"][-1] < reference["loss"][0] and len(reference["val_loss"]) == 4
     for mode, (runs, _) in muon_runs.items():
-        for n in (1, 2, 4):
+        for n in WORLD_SIZES[mode]:
             assert_bitwise_same_run(runs[n], reference)
-    weights = {mode: torch.load(sorted((out / "world_size_1").glob("ckpt_*.pt"))[-1],
-                                weights_only=True)["model"] for mode, (_, out) in muon_runs.items()}
+    first = {mode: out / f"world_size_{WORLD_SIZES[mode][0]}" for mode, (_, out) in muon_runs.items()}
+    weights = {mode: torch.load(sorted(folder.glob("ckpt_*.pt"))[-1], weights_only=True)["model"]
+               for mode, folder in first.items()}
     for mode in ("zero2", "fsdp"):
         assert all(torch.equal(weights[mode][k], weights["ddp"][k]) for k in weights["ddp"]), mode
 

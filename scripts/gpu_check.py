@@ -230,8 +230,8 @@ def part_section(name, result):
                 if row.split()[3].rstrip("%").replace(".", "", 1).isdigit()]
         if mfus:
             verdict = "reached" if max(mfus) >= MFU_GOAL * 100 else "not reached"
-            lines += [f"Best MFU {max(mfus):.1f}%; the goal of {MFU_GOAL:.0%} for 124M on one "
-                      f"H100 is {verdict}. fwd+bwd, optim and data ms say where a step's time "
+            lines += [f"Best MFU {max(mfus):.1f}%; the goal, {MFU_GOAL:.0%} for 124M on one "
+                      f"H100, is {verdict}. fwd+bwd, optim and data ms say where a step's time "
                       f"goes; the traces are in the scratch folder's {name}/*/trace_rank0.json.", ""]
     if name == "sample":
         lines += [line for line in stdout.splitlines() if line.startswith("|")] + [""]

@@ -273,7 +273,7 @@ def main(argv):
     report_dir = Path(args.report_dir)
     import torch
     if not (args.tiny or args.dry_run or torch.cuda.is_available()):
-        raise UserError("torch sees no CUDA GPU here: pass --dry-run to see the plan, or --tiny "
+        raise UserError("torch sees no CUDA GPU here: pass --dry_run to see the plan, or --tiny "
                         "to run it at toy sizes on the CPU")
     check_plan(args.tiny, args.scratch)
     print_plan(parts, args.tiny, report_dir, args.scratch)

@@ -76,5 +76,5 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch
 def test_without_a_gpu_a_real_run_is_refused_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the real run would start")
-    with pytest.raises(UserError, match="^torch sees no CUDA GPU here: pass --dry-run"):
+    with pytest.raises(UserError, match="^torch sees no CUDA GPU here: pass --dry_run"):
         gpu_check.main([str(tmp_path / "report")])

@@ -1,9 +1,12 @@
 """
 Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and for the scripts
-that train (scripts/bench.py, scripts/check_equivalence.py) or read logs (scripts/plot.py).
+that train (scripts/bench.py, scripts/check_equivalence.py) or read logs (scripts/plot.py); and
+running any command with its output streamed (scripts/gpu_check.py's parts).
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,20 +18,60 @@ from configurator import UserError
 ROOT = Path(__file__).resolve().parent
 
 
-def command(args, nproc=1, python=sys.executable, torchrun_args=()):
+def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=None):
     """The argv that runs train_gpt2.py with `args` as a user would, under the interpreter
     `python` (and its torch): `python train_gpt2.py` for one process, torchrun (`python -m
-    torch.distributed.run --standalone --nproc_per_node=N`, then `torchrun_args`) for more."""
+    torch.distributed.run --standalone --nproc_per_node=N`, then `torchrun_args`) for more, or
+    for one too with torchrun=True (a process group of one: NCCL's on a GPU)."""
     script = str(ROOT / "train_gpt2.py")
-    if nproc == 1:
+    if not (nproc > 1 if torchrun is None else torchrun):
         return [python, script, *args]
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             *torchrun_args, script, *args]
 
 
-def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None):
-    """Runs command(args, nproc, python) in the repo root with the environment `env` (None: this
-    process's) and waits for it. Returns the CompletedProcess, its stdout and stderr as text.
+def stream(cmd, on_line, timeout=None, env=None, own_session=False):
+    """Runs cmd in the repo root with the environment `env` (None: this process's), calling
+    on_line(line, from_stdout) for each line of its output as it comes, one call at a time.
+    Returns (its exit code, or None when it ran past `timeout` seconds and was killed; its
+    stdout; its stderr), as text. own_session: it starts a session of its own, and a timeout
+    kills that whole process group (torchrun's workers, a script's runs), not it alone."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             cwd=ROOT, start_new_session=own_session)
+    stdout, stderr, lock = [], [], threading.Lock()
+
+    def read(pipe, lines, from_stdout):
+        with pipe:
+            for line in pipe:
+                with lock:
+                    lines.append(line)
+                    on_line(line, from_stdout)
+
+    # both pipes are read while the run goes on: a full one would stall it. Daemon threads, as
+    # workers that outlive a killed torchrun may hold the pipes open.
+    readers = [threading.Thread(target=read, args=(child.stdout, stdout, True), daemon=True),
+               threading.Thread(target=read, args=(child.stderr, stderr, False), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        code = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        if own_session:
+            os.killpg(child.pid, signal.SIGKILL)
+        else:
+            child.kill()
+        child.wait()
+        code = None
+    for reader in readers:
+        reader.join(1 if code is None else None)  # what is left in the pipes after a kill
+    return code, "".join(stdout), "".join(stderr)
+
+
+def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None,
+          torchrun=None):
+    """Runs command(args, nproc, python, torchrun=torchrun) in the repo root with the environment
+    `env` (None: this process's) and waits for it. Returns the CompletedProcess, its stdout and
+    stderr as text.
 
     progress: None, or a label for the run; then its start, the console lines of its steps and
     evaluations (those that begin with "step") as they come, and its end with the time it took
@@ -38,39 +81,19 @@ def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress
     subprocess.TimeoutExpired with the output so far if it runs past `timeout` seconds (killed
     then, as subprocess.run does).
     """
-    cmd = command(args, nproc, python)
+    cmd = command(args, nproc, python, torchrun=torchrun)
     start = time.monotonic()
     if progress is not None:
         print(f"{progress}: started", file=sys.stderr, flush=True)
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             cwd=ROOT)
-    stdout, stderr = [], []
 
-    def read(pipe, lines, show):
-        with pipe:
-            for line in pipe:
-                lines.append(line)
-                if show and line.startswith("step"):
-                    print(f"{progress}: {line.rstrip()}", file=sys.stderr, flush=True)
+    def show(line, from_stdout):
+        if progress is not None and from_stdout and line.startswith("step"):
+            print(f"{progress}: {line.rstrip()}", file=sys.stderr, flush=True)
 
-    # both pipes are read while the run goes on: a full one would stall it. Daemon threads, as
-    # workers that outlive a killed torchrun may hold the pipes open.
-    readers = [threading.Thread(target=read, args=(child.stdout, stdout, progress is not None),
-                                daemon=True),
-               threading.Thread(target=read, args=(child.stderr, stderr, False), daemon=True)]
-    for reader in readers:
-        reader.start()
-    try:
-        child.wait(timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-        for reader in readers:
-            reader.join(1)  # what is left in the pipes, unless workers of a killed torchrun hold them
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(stdout), "".join(stderr)) from None
-    for reader in readers:
-        reader.join()
-    proc = subprocess.CompletedProcess(cmd, child.returncode, "".join(stdout), "".join(stderr))
+    code, stdout, stderr = stream(cmd, show, timeout, env)
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     if proc.returncode != 0:
         raise UserError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     if progress is not None:

@@ -59,6 +59,13 @@ def parse_variant(spec):
     return name, VARIANTS[name]
 
 
+def plan(specs, micro_batch_sizes):
+    """(name, train_gpt2.py overrides) of each run: the variants of `specs` (parse_variant), then
+    the config at each of micro_batch_sizes. Raises UserError for an unknown variant."""
+    return ([parse_variant(spec) for spec in specs]
+            + [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes])
+
+
 def run(name, overrides, args, train_args):
     """Trains one variant, showing its progress on stderr (runs.train); returns its log records
     and the path of the master's trace. Raises UserError with the run's output if it fails."""
@@ -176,10 +183,8 @@ def main(argv):
     args, train_args = parser.parse_known_args(argv)
     if min(args.nproc, args.steps) < 1:
         parser.error("--nproc and --steps must be >= 1")
-    variants = [parse_variant(v) for v in args.variants]
-    variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in args.micro_batch_sizes]
     rows = {}
-    for name, overrides in variants:
+    for name, overrides in plan(args.variants, args.micro_batch_sizes):
         rows[name] = summarize(*run(name, overrides, args, train_args))
     print_table(rows)
 

@@ -28,33 +28,33 @@ where a step's time goes) and, for a part that failed, the end of its log. docs/
 what each column means; the goal for 124M on one H100 is 50% MFU.
 """
 
-import argparse
 import datetime
 import json
 import os
-import signal
+import shlex
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import configurator  # noqa: E402
+import runs  # noqa: E402
 from atomic import atomic_write  # noqa: E402
 from configurator import UserError  # noqa: E402
 
 PYTHON = sys.executable
 CONFIG = "configs/gpt2_124m.toml"
 # the benchmarks' batch: micro-batch 32 fits the corpus's val split (and an H100 at 124M)
-BENCH_ARGS = ["--hellaswag_interval=0",
-              "--micro_batch_size=32", "--total_batch_size=131072", "--nproc", "1", "--steps", "5"]
-# --tiny: a 1-layer GPT with GPT-2's vocabulary on the CPU, one timed step
-TINY_ARGS = ["--hellaswag_interval=0", "--n_layer=1",
-             "--n_head=2", "--n_embd=32", "--seq_len=32", "--micro_batch_size=2",
-             "--total_batch_size=128", "--device=cpu", "--compile=false", "--nproc", "1",
-             "--steps", "1"]
+BENCH_TRAIN_ARGS = ["--hellaswag_interval=0", "--micro_batch_size=32", "--total_batch_size=131072"]
+# --tiny: a 1-layer GPT with GPT-2's vocabulary on the CPU
+TINY_TRAIN_ARGS = ["--hellaswag_interval=0", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                   "--seq_len=32", "--micro_batch_size=2", "--total_batch_size=128",
+                   "--device=cpu", "--compile=false"]
+# each benchmark part's bench.py --variants and --micro_batch_sizes
+BENCHES = {"compile": (["eager", "compile"], [16]),
+           "modes": (["ddp", "zero2", "fsdp", "ddp_exact:--exact_reduction=true", "muon"], [])}
 
 
 def prepare(scratch):
@@ -62,12 +62,23 @@ def prepare(scratch):
     return [PYTHON, "prepare_data.py", "--output_dir", f"{scratch}/data"]
 
 
-def bench(part, variants, micro_batch_sizes, tiny, scratch):
-    """bench.py's command for a part; tiny: its first variant alone (seconds per run on a CPU)."""
-    if tiny:
-        variants, micro_batch_sizes = variants[:1], []
-    return [PYTHON, "scripts/bench.py", CONFIG, f"--data_dir={scratch}/data",
-            *(TINY_ARGS if tiny else BENCH_ARGS), "--variants", *variants,
+def bench_runs(part, tiny):
+    """(variants, micro_batch_sizes) of a part's benchmark; tiny: its first variant alone
+    (seconds per run on a CPU)."""
+    variants, micro_batch_sizes = BENCHES[part]
+    return (variants[:1], []) if tiny else (variants, micro_batch_sizes)
+
+
+def train_args(tiny, scratch):
+    """The train_gpt2.py config of every benchmark run, before its variant's overrides."""
+    return [CONFIG, f"--data_dir={scratch}/data", *(TINY_TRAIN_ARGS if tiny else BENCH_TRAIN_ARGS)]
+
+
+def bench(part, tiny, scratch):
+    """bench.py's command for a benchmark part."""
+    variants, micro_batch_sizes = bench_runs(part, tiny)
+    return [PYTHON, "scripts/bench.py", *train_args(tiny, scratch), "--nproc", "1",
+            "--steps", "1" if tiny else "5", "--variants", *variants,
             *(["--micro_batch_sizes", *map(str, micro_batch_sizes)] if micro_batch_sizes else []),
             "--out_dir", f"{scratch}/{part}"]
 
@@ -78,11 +89,9 @@ PARTS = {
         [PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
          *(["-k", "kv_cache"] if tiny else [])]]),
     "compile": (420, "eager against torch.compile, micro-batch 32 and 16", lambda tiny, scratch: [
-        prepare(scratch), bench("compile", ["eager", "compile"], [16], tiny, scratch)]),
+        prepare(scratch), bench("compile", tiny, scratch)]),
     "modes": (480, "ddp, zero2 and fsdp at world size 1, exact_reduction, Muon", lambda tiny, scratch: [
-        prepare(scratch), bench("modes", ["ddp", "zero2", "fsdp",
-                                          "ddp_exact:--exact_reduction=true", "muon"], [], tiny,
-                                scratch)]),
+        prepare(scratch), bench("modes", tiny, scratch)]),
     "sample": (240, "the KV-cache sampler against transformers' generate", lambda tiny, scratch: [
         [PYTHON, "scripts/bench_sample.py", *(
             ["--devices", "cpu", "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
@@ -94,8 +103,7 @@ MFU_GOAL = 0.5  # of the H100's dense bf16 peak, for 124M on one GPU
 
 def shell(command):
     """command (argv) as a line to paste into a shell, with `python` for this interpreter."""
-    words = ["python" if word == PYTHON else word for word in command]
-    return " ".join(f"'{w}'" if any(c in w for c in " :*") else w for w in words)
+    return shlex.join("python" if word == PYTHON else word for word in command)
 
 
 def check_plan(tiny, scratch):
@@ -103,25 +111,12 @@ def check_plan(tiny, scratch):
     variant or batch fails here, before a GPU spends minutes. Raises UserError."""
     import bench  # scripts/, beside this file
     from train_gpt2 import grad_accum_steps, load_config
-    for name, (_, _, commands) in PARTS.items():
-        for command in commands(tiny, scratch):
-            if "scripts/bench.py" not in command:
-                continue
-            args = command[command.index(CONFIG):command.index("--out_dir")]
-            train_args = [a for a in args[:args.index("--variants")]
-                          if a.endswith(".toml") or (a.startswith("--") and "=" in a)]
-            variants = args[args.index("--variants") + 1:]
-            sizes = []
-            if "--micro_batch_sizes" in variants:
-                at = variants.index("--micro_batch_sizes")
-                variants, sizes = variants[:at], variants[at + 1:]
-            runs = [bench.parse_variant(v)[1] for v in variants] + [[f"--micro_batch_size={b}"]
-                                                                     for b in sizes]
-            for overrides in runs:
-                try:
-                    grad_accum_steps(load_config([*train_args, *overrides]), 1)
-                except UserError as e:
-                    raise UserError(f"part {name}, {' '.join(overrides)}: {e}") from None
+    for part in BENCHES:
+        for _, overrides in bench.plan(*bench_runs(part, tiny)):
+            try:
+                grad_accum_steps(load_config([*train_args(tiny, scratch), *overrides]), 1)
+            except UserError as e:
+                raise UserError(f"part {part}, {' '.join(overrides)}: {e}") from None
 
 
 def print_plan(parts, tiny, report_dir, scratch):
@@ -142,34 +137,15 @@ def run_command(command, log, deadline):
     group is killed: torchrun's workers and bench.py's runs go with it."""
     log.write(f"$ {shell(command)}\n")
     log.flush()
-    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    stdout, lock = [], threading.Lock()
 
-    def read(pipe, keep):
-        with pipe:
-            for line in pipe:
-                with lock:
-                    log.write(line)
-                    log.flush()
-                    print(line, end="", flush=True)
-                    if keep:
-                        stdout.append(line)
+    def show(line, _):
+        log.write(line)
+        log.flush()
+        print(line, end="", flush=True)
 
-    readers = [threading.Thread(target=read, args=(child.stdout, True), daemon=True),
-               threading.Thread(target=read, args=(child.stderr, False), daemon=True)]
-    for reader in readers:
-        reader.start()
-    try:
-        code = child.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        code = "timed out"
-    for reader in readers:
-        reader.join(5)
-    return code, "".join(stdout)
+    code, stdout, _ = runs.stream(command, show, max(0.0, deadline - time.monotonic()),
+                                  dict(os.environ, PYTHONUNBUFFERED="1"), own_session=True)
+    return ("timed out" if code is None else code), stdout
 
 
 def run_part(name, tiny, report_dir, scratch):
@@ -226,8 +202,8 @@ def part_section(name, result):
     rows = bench_rows(stdout)
     if rows:
         lines += ["```", *rows, "```", ""]
-        mfus = [float(row.split()[3].rstrip("%")) for row in rows[2:]
-                if row.split()[3].rstrip("%").replace(".", "", 1).isdigit()]
+        mfus = [float(mfu) for mfu in (row.split()[3].rstrip("%") for row in rows[2:])
+                if mfu != "-"]
         if mfus:
             verdict = "reached" if max(mfus) >= MFU_GOAL * 100 else "not reached"
             lines += [f"Best MFU {max(mfus):.1f}%; the goal, {MFU_GOAL:.0%} for 124M on one "

@@ -80,13 +80,15 @@ def tiny_data(tmp_path):
     return data_dir
 
 
-def run_training(args, nproc=1, timeout=300):
+def run_training(args, nproc=1, timeout=300, torchrun=None):
     """Runs train_gpt2.py as a user would (runs.train: plain python for one process, torchrun with
-    `nproc` gloo workers), with OMP_NUM_THREADS=1.
+    `nproc` workers, gloo's on CPU, NCCL's on GPUs; torchrun for one process too with
+    torchrun=True), with OMP_NUM_THREADS=1.
 
     Returns the CompletedProcess; raises UserError with the output if it failed.
     """
-    return runs.train(args, nproc, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return runs.train(args, nproc, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                      torchrun=torchrun)
 
 
 def read_log(out_dir):

@@ -24,7 +24,8 @@ import hellaswag
 import memory_plan
 import metrics
 import optimizers
-from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, write_hellaswag
+from conftest import (ROOT, TINY, make_shards, markov_tokens, read_log, run_training,
+                      write_hellaswag)
 from sharding import Replicas
 from shards import write_shard
 from train_gpt2 import GPT, Config, DataLoader, build_model, load_config
@@ -196,7 +197,7 @@ def test_mfu_and_memory_are_logged(device, tmp_path):
     args = [*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
             "--max_steps=3", "--total_batch_size=64", f"--device={device.type}",
             *([] if peak else ["--peak_flops=1e12"])]
-    run_python(args)
+    run_training(args)
     steps, _ = read_log(tmp_path / "out")
     config = load_config(args)
     n = memory_plan.n_params(config) - config.block_size * config.n_embd  # no wpe: a lookup
@@ -289,9 +290,9 @@ def test_sharding_modes_train_over_nccl(cuda, tmp_path, mode, optimizer, world_s
     if world_size > torch.cuda.device_count():
         pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     make_shards(tmp_path / "data", n_train=20000)
-    run_torchrun([*TINY, "--compile=true", f"--sharding={mode}", f"--optimizer={optimizer}",
+    run_training([*TINY, "--compile=true", f"--sharding={mode}", f"--optimizer={optimizer}",
                   f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
-                  "--max_steps=30", "--total_batch_size=128"], world_size)
+                  "--max_steps=30", "--total_batch_size=128"], world_size, torchrun=True)
     steps, evals = read_log(tmp_path / "out")
     assert len(steps) == 30 and all(math.isfinite(r["loss"]) for r in steps)
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1
@@ -302,7 +303,7 @@ def test_exact_mode_gives_the_same_bits_twice(cuda, tmp_path):
     runs log the same losses and save the same weights, bit for bit."""
     make_shards(tmp_path / "data", n_train=20000)
     for run in ("a", "b"):
-        run_python([*TINY, "--compile=true", "--exact_reduction=true", "--dropout=0.1",
+        run_training([*TINY, "--compile=true", "--exact_reduction=true", "--dropout=0.1",
                     f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / run}",
                     "--max_steps=20", "--total_batch_size=128"])
     logs = [[(r["loss"], r["grad_norm"]) for r in read_log(tmp_path / run)[0]] for run in "ab"]
@@ -345,7 +346,7 @@ def test_memory_plan_within_10_percent_of_the_allocator(cuda, tmp_path, micro_ba
             f"--out_dir={tmp_path / 'out'}", f"--micro_batch_size={micro_batch_size}",
             f"--total_batch_size={tokens}", "--max_steps=2", "--compile=false", "--eval_interval=0",
             "--sample_interval=0", "--hellaswag_interval=0"]
-    run_python(args)
+    run_training(args)
     measured = max(r["mem_gb"] for r in read_log(tmp_path / "out")[0]) * 2**30
     planned = memory_plan.plan(load_config(args), 1, "cuda")["total"]
     assert abs(planned - measured) / measured < 0.10, (planned / 2**30, measured / 2**30)
@@ -357,8 +358,8 @@ def test_a_cuda_checkpoint_resumes_and_samples_on_cpu(cuda, tmp_path):
     make_shards(tmp_path / "data")
     common = [*TINY, "--total_batch_size=64", f"--data_dir={tmp_path / 'data'}",
               f"--out_dir={tmp_path / 'out'}"]
-    run_python([*common, "--compile=true", "--max_steps=4"])
-    run_python([*common, "--device=cpu", "--max_steps=6"])
+    run_training([*common, "--compile=true", "--max_steps=4"])
+    run_training([*common, "--device=cpu", "--max_steps=6"])
     steps, _ = read_log(tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     proc = subprocess.run([sys.executable, "scripts/sample.py", str(tmp_path / "out"), "--device",
@@ -376,25 +377,8 @@ def test_bf16_gpu_run_ends_within_2_percent_of_a_float32_cpu_run(cuda, tmp_path)
               "--warmup_steps=20", f"--data_dir={tmp_path / 'data'}"]
     ends = {}
     for name in ("cuda", "cpu"):
-        run_python([*common, f"--device={name}", f"--out_dir={tmp_path / name}"])
+        run_training([*common, f"--device={name}", f"--out_dir={tmp_path / name}"])
         steps, evals = read_log(tmp_path / name)
         ends[name] = (steps[-1]["loss"], evals[-1]["val_loss"])
     for gpu, cpu in zip(ends["cuda"], ends["cpu"]):
         assert abs(gpu - cpu) / cpu < 0.02, ends
-
-
-def run_python(args):
-    """train_gpt2.py with args in one process; raises AssertionError with its output if it fails."""
-    return run([sys.executable, "train_gpt2.py", *args])
-
-
-def run_torchrun(args, nproc):
-    """train_gpt2.py under torchrun with nproc workers (NCCL on GPUs), at nproc 1 too."""
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", "train_gpt2.py", *args])
-
-
-def run(command, timeout=300):
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return proc

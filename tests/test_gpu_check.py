@@ -20,10 +20,11 @@ def test_the_dry_run_prints_every_part_and_checks_its_configs(tmp_path, capsys, 
         assert f"\n{name} (limit " in out
     assert "tests/test_cuda.py" in out and "--devices cuda" in out
     assert "--variants eager compile --micro_batch_sizes 16" in out
-    assert "--variants ddp zero2 fsdp 'ddp_exact:--exact_reduction=true' muon" in out
+    assert "--variants ddp zero2 fsdp ddp_exact:--exact_reduction=true muon" in out
     assert not (tmp_path / "report").exists()  # nothing ran
     # a config the benchmark would refuse fails the dry run, before a GPU spends minutes on it
-    monkeypatch.setattr(gpu_check, "BENCH_ARGS", [*gpu_check.BENCH_ARGS, "--micro_batch_size=48"])
+    monkeypatch.setattr(gpu_check, "BENCH_TRAIN_ARGS",
+                        [*gpu_check.BENCH_TRAIN_ARGS, "--micro_batch_size=48"])
     with pytest.raises(UserError, match=r"^part compile, --compile=false: total_batch_size=131072 "
                                         r"is not divisible by micro_batch_size \* seq_len"):
         gpu_check.main([str(tmp_path / "report"), "--dry-run"])

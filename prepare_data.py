@@ -432,10 +432,8 @@ def _sources(args, files, builder, builder_kwargs):
     is one row {"text": its contents}, read as `datasets`' text builder with sample_by=document
     reads it (UTF-8, universal newlines) but without `datasets`, so that the embedded corpus
     needs no more than the training does (GPU machines without a package index lack it)."""
-    if builder == "text":
-        # zero-byte files hold no documents
-        return [(f, [{"text": Path(f).read_text(encoding="utf-8")}]) for f in files
-                if os.path.getsize(f) > 0]
+    if builder == "text":  # zero-byte files hold no documents
+        return [(f, _TextFile(f)) for f in files if os.path.getsize(f) > 0]
     try:  # imported here: slow to import, and only the hub and json/parquet need it
         import datasets
         from datasets import load_dataset
@@ -457,6 +455,17 @@ def _sources(args, files, builder, builder_kwargs):
             except Exception as e:
                 raise _read_error(f, e) from None
     return sources
+
+
+class _TextFile:
+    """A .txt file as the rows of a source: one row, {"text": its contents}, read from disk each
+    time it is iterated (no file is held in memory before its turn, as with `datasets`)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __iter__(self):
+        yield {"text": Path(self.path).read_text(encoding="utf-8")}
 
 
 def _recorded_source(manifest_path):

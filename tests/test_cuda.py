@@ -95,9 +95,9 @@ def train_steps(model, optimizer, batches, autocast):
 
 
 def small_model(device, **overrides):
+    """(the GPT that train_gpt2.build_model makes on device, its Config): SMALL with overrides."""
     config = Config(**{**SMALL, **overrides})
-    torch.manual_seed(0)
-    return GPT(config).to(device), config
+    return build_model(config, device), config
 
 
 # ---------------------------------------------------------------------------------------------

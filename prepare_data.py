@@ -36,9 +36,7 @@ next to the manifest, so the manifest is removed before any shard of a new run i
 
 import argparse
 import collections
-import functools
 import glob
-import hashlib
 import itertools
 import json
 import multiprocessing
@@ -49,21 +47,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 from tqdm import tqdm
 
-import configurator
-from atomic import atomic_write
-from configurator import UserError
-from shards import MAX_SHARD_TOKENS, shard_name, write_shard
+from gpt2_ddp import configurator
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.shards import MAX_SHARD_TOKENS, shard_name, write_shard
+from gpt2_ddp.tokenizer import ASSETS_DIR, EOT_TOKEN, gpt2_encoding
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-GPT2_RANKS_PATH = ASSETS_DIR / "gpt2.tiktoken"
-GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-# the r50k / gpt2 pre-tokenizer regex, as in tiktoken_ext/openai_public.py
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-EOT_TOKEN = 50256
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
 
 # which `datasets` builder reads each file extension, and how
@@ -73,30 +64,6 @@ BUILDERS = {
     ".json": ("json", {}),
     ".parquet": ("parquet", {}),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def gpt2_encoding():
-    """GPT-2's tokenizer (tiktoken's "gpt2" encoding), built offline from assets/gpt2.tiktoken.
-
-    Vocabulary of 50257 ids: 50256 BPE ranks plus <|endoftext|> = 50256. Built once per
-    process. Raises RuntimeError if the ranks file's sha256 is not the expected one.
-    """
-    actual = hashlib.sha256(GPT2_RANKS_PATH.read_bytes()).hexdigest()
-    if actual != GPT2_RANKS_SHA256:
-        raise RuntimeError(
-            f"{GPT2_RANKS_PATH} is corrupted: sha256 {actual}, expected {GPT2_RANKS_SHA256}. "
-            f"Restore it from git: git checkout -- assets/gpt2.tiktoken"
-        )
-    # passing the hash stops tiktoken's file cache (keyed by path) from serving a stale copy
-    ranks = load_tiktoken_bpe(str(GPT2_RANKS_PATH), expected_hash=GPT2_RANKS_SHA256)
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=GPT2_PAT_STR,
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": EOT_TOKEN},
-        explicit_n_vocab=50257,
-    )
 
 
 PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters

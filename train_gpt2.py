@@ -1,8 +1,8 @@
 r"""
-Train GPT-2 with data parallelism. This file holds the config, the model, the data loader, the
-distributed setup and teardown, and the training loop; what the loop calls lives beside it:
-sharding.py (the ddp, zero2 and fsdp modes), optimizers.py, checkpoints.py, metrics.py, shards.py
-(docs/architecture.md maps them).
+Train GPT-2 with data parallelism, in one file: the config, the model, the sharded token loader,
+DDP's setup and teardown, and the training loop (gradient accumulation, the all-reduced loss,
+clipping, the update). The package gpt2_ddp/ holds what the loop calls besides; docs/architecture.md
+maps it.
 
 One process (GPU, Apple MPS or CPU):
     python train_gpt2.py configs/shakespeare_cpu.toml
@@ -13,14 +13,15 @@ GPT-2 124M on 8 GPUs (DDP over NCCL); the defaults are this run:
 Two nodes of 8 GPUs each, run on both nodes:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=gpt2 train_gpt2.py configs/gpt2_124m.toml
-Finetune OpenAI's GPT-2 (init_from), then sample from it (scripts/sample.py):
+Finetune OpenAI's GPT-2 (init_from), then sample from it (python -m scripts.sample):
     python train_gpt2.py configs/finetune_shakespeare.toml
 Any config key can be overridden after the config file, e.g. --max_steps=1e4 --compile=false.
-Muon for the blocks' matrices, AdamW for the rest (optimizers.py; README, "Muon"):
+Muon for the blocks' matrices, AdamW for the rest (docs/muon.md):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --optimizer=muon
-Sharded optimizer state (ZeRO-2, written out in sharding.py) or sharded parameters too (FSDP2):
+Swap-ins for DDP (gpt2_ddp/data_parallel.py): ZeRO-2, FSDP2, float64 gradient sums (bitwise runs):
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=zero2
     torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --sharding=fsdp
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py configs/gpt2_124m.toml --exact_reduction=true
 
 The promise: a run on N processes is the run on one. The global batch is split into micro-batches
 numbered across ranks, micro-batch m of a step goes to rank m % world_size, and dropout draws from
@@ -29,7 +30,6 @@ a random state derived from (seed, step, m) alone. So world size changes only th
 
 import ctypes
 import dataclasses
-import functools
 import gc
 import hashlib
 import math
@@ -47,21 +47,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-import checkpoints
-import configurator
-import gpt2_weights
-import memory_plan
-import optimizers
-from collectives import agreed, all_reduce_max, broadcast_object
-from configurator import UserError
-from metrics import Metrics, log, start_profiler
-from prepare_data import EOT_TOKEN, gpt2_encoding  # GPT-2's tokenizer, offline, for samples
-from sharding import SHARDING_MODES
-from shards import max_token_ids, read_shard_header, read_tokens, split_paths
+from gpt2_ddp import checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan
+from gpt2_ddp.collectives import agreed, all_reduce_max
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.gpt2_weights import MODEL_KEYS
+from gpt2_ddp.metrics import Metrics, log, start_profiler
+from gpt2_ddp.muon import Chain, Muon
+from gpt2_ddp.shards import check_token_ids, read_shard_header, read_tokens, split_paths
+from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 
 # -----------------------------------------------------------------------------
 # Config
@@ -80,7 +80,7 @@ class Config:
     dataset: str = ""  # the shards' name prefix to train on, where data_dir holds several datasets
     out_dir: str = "out"  # log.jsonl and checkpoints
     # model: GPT-2 124M
-    init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl], a Hugging Face GPT-2 directory, or a checkpoint or out_dir of ours
+    init_from: str = "scratch"  # scratch, gpt2[-medium|-large|-xl], a Hugging Face dir, or our out_dir
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block
     n_embd: int = 768  # width of the residual stream
@@ -110,7 +110,7 @@ class Config:
     sample_interval: int = 250  # a printed sample every N steps
     sample_prompt: str = "Hello, I'm a language model,"  # what the samples continue
     sample_tokens: int = 32  # tokens per sample
-    hellaswag_interval: int = 0  # HellaSwag accuracy (hellaswag.py) every N steps
+    hellaswag_interval: int = 0  # HellaSwag accuracy every N steps
     hellaswag_examples: int = 0  # the first N of the file; 0 takes all (10042 in the val split)
     hellaswag_path: str = "data/hellaswag/hellaswag_val.jsonl"  # downloaded there when missing
     checkpoint_interval: int = 5000  # a checkpoint every N steps (and at the last)
@@ -121,8 +121,8 @@ class Config:
     wandb_log: bool = False  # send every log.jsonl record to wandb (pip install wandb)
     wandb_project: str = "gpt2"  # the wandb project the run goes to
     wandb_run_name: str = ""  # the wandb run's name; empty: wandb makes one up (e.g. swift-river-12)
-    tensorboard: bool = False  # write every log.jsonl record as TensorBoard scalars to {out_dir}/tensorboard
-    peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100, dense bf16)
+    tensorboard: bool = False  # every log.jsonl record as TensorBoard scalars in {out_dir}/tensorboard
+    peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100)
     # system
     seed: int = 1337  # initial weights, dropout masks and samples derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
@@ -136,8 +136,6 @@ class Config:
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
     profile: bool = False  # each rank writes a torch.profiler trace of 3 steps to out_dir
 
-
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")  # its shape
 
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
@@ -157,7 +155,7 @@ CONFIG_RULES = {
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
                "auto, cpu, mps, cuda or cuda:N"),
-    "sharding": (tuple(SHARDING_MODES), " or ".join(", ".join(SHARDING_MODES).rsplit(", ", 1))),
+    "sharding": (("ddp", "zero2", "fsdp"), "ddp, zero2 or fsdp"),
     "grad_compression": (("none", "bf16"), "none or bf16"),
     "optimizer": (("adamw", "muon"), "adamw or muon"),
     "resume": (("auto", "never"), "auto or never"),
@@ -165,8 +163,8 @@ CONFIG_RULES = {
 
 
 def load_config(argv):
-    """Builds a Config from `[CONFIG.toml] [--key=value ...]` (configurator.py), then checks what
-    involves several keys. Raises UserError, in one line, for any bad input."""
+    """Builds a Config from `[CONFIG.toml] [--key=value ...]` (gpt2_ddp/configurator.py), then
+    checks what involves several keys. Raises UserError, in one line, for any bad input."""
     config = configurator.load_config(argv, Config, CONFIG_RULES)
     if config.eval_interval > 0 and config.val_batches < 1:
         raise UserError(f"config key 'val_batches' must be >= 1 when eval_interval > 0, got "
@@ -207,9 +205,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.store(layer, k, v)  # (B, nh, pos + T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        # T queries from position 0 (training, a prefill) are causal; a single query sees every
-        # key before it. A branch, not is_causal=T > 1: torch.compile may trace T as a symbol,
-        # and SDPA takes no symbolic bool
+        # a single query (decoding) sees every cached key; a branch, as SDPA takes no symbolic bool
         causal = True if T > 1 else False
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)  # flash
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
@@ -245,17 +241,10 @@ class Block(nn.Module):
 
 class KVCache:
     """The keys and values of every layer's attention while sampling, so that each new token runs
-    through the model alone instead of with its whole context, as nanoGPT PR #76 and transformers'
-    GPT-2 (its past_key_values, (B, nh, T, hs) per layer) do. Preallocated for `length` positions
-    (at most block_size): a token writes its slot, nothing grows with torch.cat.
-
-    k, v: (n_layer, B, nh, length, hs), allocated by the first store(), in the dtype and on the
-    device of the keys it gets (bf16 under FSDP's mixed precision, say). pos: the positions filled,
-    which is the next token's position.
-
-    A plain class, not a dataclass: FSDP2 casts a module's inputs by rebuilding dataclasses, and
-    the blocks would then fill a copy.
-    """
+    through the model alone, as nanoGPT PR #76 and transformers' past_key_values do. k, v:
+    (n_layer, B, nh, length, hs), preallocated by the first store() in the dtype and on the device
+    of its keys; pos: the positions filled. A plain class, not a dataclass: FSDP2 casts a module's
+    inputs by rebuilding dataclasses, and the blocks would then fill a copy."""
 
     def __init__(self, n_layer, length):
         self.n_layer, self.length = n_layer, length
@@ -278,11 +267,9 @@ class KVCache:
 
 class GPT(nn.Module):
     """GPT-2 (Radford et al. 2019): pre-LayerNorm transformer, learned positions, tied wte/lm_head.
-
-    Parameter names match Hugging Face's `gpt2` checkpoint (`transformer.h.0.attn.c_attn.weight`...),
-    whose Conv1D weights are the transpose of these Linear weights. Init as GPT-2: normal(0, 0.02),
-    residual projections (c_proj) scaled by 1/sqrt(2 * n_layer), biases zero.
-    """
+    Parameter names match Hugging Face's `gpt2` checkpoint, whose Conv1D weights are the transpose
+    of these Linear weights. Init as GPT-2: normal(0, 0.02), residual projections (c_proj) scaled
+    by 1/sqrt(2 * n_layer), biases zero."""
 
     def __init__(self, config):
         super().__init__()
@@ -296,7 +283,8 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
-        self.apply(self._init_weights)
+        if self.lm_head.weight.device.type != "meta":  # the memory plan's model has no values
+            self.apply(self._init_weights)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -311,11 +299,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """idx, targets: (B, T) int64 token ids. Returns logits (B, T, vocab_size), loss (mean CE).
-
-        With a KVCache (sampling; generate() shows the use): idx is T tokens from position 0 into
-        an empty cache, or one token at position cache.pos; their keys and values join the cache,
-        pos advances by T, and the logits are the last position's alone, (B, 1, vocab_size).
-        """
+        With a KVCache (generate()): idx is T tokens from position 0, or one token at cache.pos;
+        their keys and values join the cache and the logits are the last position's, (B, 1, V)."""
         B, T = idx.size()
         start = 0 if cache is None else cache.pos
         assert start + T <= self.config.block_size, f"positions up to {start + T} > block_size"
@@ -350,17 +335,37 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
+    def configure_optimizers(self, config, device_type):
+        """The run's optimizer, one object whose step() updates every parameter (nanoGPT's
+        configure_optimizers, nanochat's setup_optimizers). AdamW (Loshchilov & Hutter 2019) with
+        config's lr and betas, eps 1e-8 as GPT-3, fused on CUDA; weight decay on the 2-D weights
+        (matmuls and embeddings), none on biases and LayerNorm gains, as GPT-2 and nanoGPT.
+        optimizer=muon: Muon for the blocks' matmul weights (c_attn's as q, k and v: splits 3),
+        AdamW for the rest (the tied wte/lm_head, wpe, biases, gains), stepped as one. Each group's
+        lr_scale is what the schedule's learning rate is multiplied by for it."""
+        blocks = self.transformer.h
+        muon = [p for p in blocks.parameters() if p.dim() == 2] if config.optimizer == "muon" else []
+        rest = [p for p in self.parameters() if all(p is not q for q in muon)]
+        decay = {"params": [p for p in rest if p.dim() >= 2], "weight_decay": config.weight_decay}
+        no_decay = {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}
+        adamw = torch.optim.AdamW([{**decay, "lr_scale": 1.0}, {**no_decay, "lr_scale": 1.0}],
+                                  lr=config.max_lr, betas=(config.beta1, config.beta2), eps=1e-8,
+                                  fused=device_type == "cuda")
+        if not muon:
+            return adamw
+        qkv = [block.attn.c_attn.weight for block in blocks]
+        lr_scale = config.muon_lr / config.max_lr if config.max_lr else 0.0
+        groups = [{"params": [p for p in muon if any(p is q for q in qkv) == (splits == 3)],
+                   "splits": splits, "lr_scale": lr_scale} for splits in (1, 3)]
+        return Chain(adamw, Muon(groups, lr=config.muon_lr))
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, generator, temperature=1.0, top_k=50):
         """Samples max_new_tokens after idx (B, T), yielding each new token (B, 1) as it is drawn:
         softmax(logits / temperature) cut to the top_k most likely tokens (all when top_k is 0 or
-        above vocab_size), as nanoGPT's sample.py. The context is the last block_size tokens.
-
-        One prefill of the context, then one token at a time through a KVCache (nanoGPT PR #76).
-        Once the context outgrows block_size, every position of the window shifts (learned
-        absolute positions) and each token recomputes the window from an empty cache: the tokens
-        are those of running the whole window for every token, as before the cache.
-        """
+        above vocab_size), as nanoGPT's sample.py, from the last block_size tokens. One prefill,
+        then a token at a time through a KVCache; once the context outgrows block_size each token
+        recomputes the shifted window (learned positions), as running the whole window would."""
         top_k = min(top_k or self.config.vocab_size, self.config.vocab_size)
         block_size = self.config.block_size
         idx = idx[:, -block_size:]
@@ -385,9 +390,8 @@ class GPT(nn.Module):
         """On CPU, stores every nn.Linear weight (the blocks' and lm_head, tied to wte) transposed
         in memory, (in, out) as transformers' Conv1D, with the same shape and values; returns self.
         Decoding runs x @ W.T with x (1, in) for each weight, and MKL's kernel for that reads this
-        layout faster: 1.3x the tokens/s of the whole sampler (docs/perf.md, "Sampling"). A no-op
-        off CPU, where it is not measured. For a model that only samples: training and saving
-        expect contiguous weights."""
+        layout faster (docs/perf.md, "Sampling"). A no-op off CPU, where it is not measured. For a
+        model that only samples: training and saving expect contiguous weights."""
         if next(self.parameters()).device.type == "cpu":
             for module in self.modules():
                 if isinstance(module, nn.Linear):
@@ -400,27 +404,19 @@ class GPT(nn.Module):
         of train_gpt2.py, an out_dir (its newest ckpt_*.pt), a Hugging Face GPT-2 directory, or a
         hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl). Raises UserError for a source that is
         none of these or cannot be read."""
-        shape, state = load_weights(source)
+        shape, state = gpt2_weights.load_weights(source)
         model = cls(Config(**shape))
-        gpt2_weights.check_state(state, model.state_dict(), source)
+        check_weights(state, model.state_dict(), source)
         model.load_state_dict(state)
         return model.to(device).eval()
 
 
-def load_weights(source, weights=True):
-    """(shape, state) of `source`, a checkpoint file of train_gpt2.py, an out_dir (its newest
-    ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its values,
-    state is its model state dict (None without `weights`). Raises UserError for a source that is
-    none of these or cannot be read."""
-    path = checkpoints.resolve(source)
-    if path is None:
-        return gpt2_weights.load_hf(source, weights)
-    try:
-        ckpt = checkpoints.load(path)  # its checksum too
-    except checkpoints.Unloadable as e:
-        raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
-                        f"ckpt_*.pt of its out_dir") from None
-    return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None
+def check_weights(state, expected, source):
+    """Raises UserError, naming `source`, unless the state dict `state` loads into a model whose
+    state dict is `expected`."""
+    problems = gpt2_weights.state_mismatch(state, expected)
+    if problems:
+        raise UserError(f"{source} does not hold the GPT-2 this run builds: {problems}")
 
 
 def init_from(config, weights=True):
@@ -432,7 +428,7 @@ def init_from(config, weights=True):
     refused with UserError, as is seq_len > block_size."""
     if config.init_from == "scratch":
         return config, None
-    shape, state = load_weights(config.init_from, weights)
+    shape, state = gpt2_weights.load_weights(config.init_from, weights)
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]
@@ -444,36 +440,49 @@ def init_from(config, weights=True):
         raise UserError(f"seq_len={config.seq_len} exceeds init_from={config.init_from}'s "
                         f"block_size={config.block_size}: pass --seq_len={config.block_size}")
     if state is not None:
-        with torch.device("meta"):  # names and shapes without allocating or initializing weights
-            gpt2_weights.check_state(state, GPT(config).state_dict(), config.init_from)
+        check_weights(state, meta_model(config).state_dict(), config.init_from)
     log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     return config, state
+
+
+def meta_model(config):
+    """GPT(config) on the meta device: its names and shapes, without memory or initial values."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def memory_counts(config):
+    """memory_plan.count() of config's GPT and optimizer, built on the meta device."""
+    model = meta_model(config)
+    return memory_plan.count(model, model.configure_optimizers(config, "meta"))
+
+
+def build_model(config, device, pretrained_state=None):
+    """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
+    loaded from pretrained_state."""
+    torch.manual_seed(config.seed)
+    model = GPT(config).to(device)
+    if pretrained_state is not None:
+        model.load_state_dict(pretrained_state)
+    if config.compile and config.dropout > 0:
+        # compiled dropout draws other masks than eager unless it falls back to eager's RNG
+        torch._inductor.config.fallback_random = True
+    return model
+
 
 # -----------------------------------------------------------------------------
 # Data: memory-mapped token shards, micro-batches numbered globally across ranks
 
 class DataLoader:
     """Yields (x, y) micro-batches of shape (B, T), int64, on `device`, from one split's shards.
-
-    The shards of a split, in name order, form one token stream (no token is lost at a shard
-    boundary). Global micro-batch g covers tokens [g*B*T, g*B*T + B*T + 1) of the stream, wrapping
-    at the end of an epoch. Each call to next_batch advances every rank by world_size micro-batches
-    and rank r gets micro-batch g + r, so the data each step sees does not depend on world_size.
-    Shards are memory-mapped anew per batch, so host memory stays flat (nanoGPT #287).
-    """
+    The shards of a split, in name order, form one token stream. Global micro-batch g covers tokens
+    [g*B*T, g*B*T + B*T + 1) of it, wrapping at the end of an epoch. Each next_batch advances every
+    rank by world_size micro-batches and rank r gets g + r, so the data each step sees does not
+    depend on world_size. Shards are memory-mapped anew per batch (nanoGPT #287)."""
 
     def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset=""):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.paths = split_paths(data_dir, split, dataset)
-        if not self.paths:
-            makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
-                      "tinyshakespeare": "python prepare_data.py"}
-            maker = makers.get(Path(data_dir).name, f"python prepare_data.py --input FILES "
-                               f"--name {Path(data_dir).name} --output_dir {data_dir}")
-            name = dataset or "NAME"
-            raise UserError(f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) "
-                            f"in {data_dir}; make them with `{maker}`, or try the small CPU config: "
-                            f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
+        self.paths = split_paths(data_dir, split, dataset, required=True)
         sizes = [read_shard_header(p) for p in self.paths]
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
@@ -517,8 +526,7 @@ class DataLoader:
         return {"tokens": self.batch_index * self.B * self.T}
 
     def load_state_dict(self, state):
-        tokens = state["tokens"] if "tokens" in state else (  # checkpoints of before 2026-11-22
-            state["batch_index"] * state["tokens_per_batch"])
+        tokens = state["tokens"]
         if tokens % (self.B * self.T):
             raise UserError(f"the checkpoint's loader stopped at token {tokens}, not a whole number "
                             f"of this run's micro-batches of {self.B}*{self.T} tokens: resume with "
@@ -527,8 +535,7 @@ class DataLoader:
 
 
 # -----------------------------------------------------------------------------
-# Distributed setup and teardown: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; plain python runs
-# one process
+# Distributed setup: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; plain python runs one process
 
 TORCH_FLOOR = (2, 8)  # requirements.txt's: FSDP2's set_gradient_divide_factor, for exact_reduction
 
@@ -561,7 +568,7 @@ def choose_device(config, local_rank, launched):
     return device
 
 
-def make_deterministic(config, device):
+def make_deterministic(device):
     """exact_reduction: bitwise runs need kernels that round alike, too."""
     if device.type == "mps":
         raise UserError("exact_reduction sums in float64, which MPS lacks: pass --device=cpu "
@@ -574,12 +581,10 @@ def make_deterministic(config, device):
 
 
 def keep_freed_cpu_memory():
-    """Makes glibc keep freed memory in the heap instead of handing it back to the OS.
-
-    glibc serves blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free,
-    so each step page-faults its largest tensors (the (B, T, vocab_size) logits) in anew. Measured
-    with the CPU quickstart on 2 cores: 2.9x the tokens/s. No-op where libc is not glibc.
-    """
+    """Makes glibc keep freed memory in the heap instead of handing it back to the OS: it serves
+    blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so each step
+    would page-fault its largest tensors (the logits) in anew (docs/perf.md). No-op where libc is
+    not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -591,16 +596,18 @@ def keep_freed_cpu_memory():
 
 def setup_distributed(config):
     """Chooses the device and joins the process group of torchrun's workers (gloo on CPU, NCCL on
-    CUDA); a plain python run of a mode that needs collectives gets a group of one.
-
+    CUDA); a plain python run of zero2 or fsdp, which need collectives, gets a group of one.
     Returns (rank, world_size, device). Raises UserError for a device this machine lacks."""
     launched = "RANK" in os.environ  # by torchrun
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = choose_device(config, local_rank, launched)
+    if config.grad_compression == "bf16" and launched and device.type != "cuda":
+        raise UserError("grad_compression=bf16 needs NCCL (CUDA devices); gloo cannot reduce bf16: "
+                        "use grad_compression=none on CPU")
     if config.exact_reduction:
-        make_deterministic(config, device)
+        make_deterministic(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu":
@@ -610,34 +617,23 @@ def setup_distributed(config):
     if launched:
         store = None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's store outlives a worker restart, keys and all, and restarted workers would
-            # read the dead ones' addresses (pytorch#135712): each attempt gets its own prefix. The
-            # count is per node, so restarts across nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+            # restarted workers would read the dead ones' keys in torchrun's store (pytorch#135712);
+            # the count is per node: restarts across nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
             store = dist.PrefixStore(
                 f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
-    elif SHARDING_MODES[config.sharding].needs_process_group:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                           device_id=device if device.type == "cuda" else None)
+    elif config.sharding != "ddp":
+        init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, world_size, device
 
 
-def teardown_distributed():
-    if dist.is_initialized():
-        # free what still refers to the group (FSDP's and gloo's work objects, in reference
-        # cycles) before destroying it: otherwise gloo aborted about 1 in 8 four-rank fsdp
-        # runs at exit ("terminate called without an active exception")
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def catch_stop_signals():
-    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before they
-    kill) ask the training loop to finish its step, save a checkpoint and exit, instead of dying
-    mid-step. Returns the list the handler appends each signal to. The same signal again takes
-    its default action: it ends the process at once."""
+    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before a kill)
+    ask the loop to finish its step, save and exit. Returns the list the handler appends each
+    signal to. The same signal again takes its default action: it ends the process at once."""
     received = []
 
     def handler(signum, frame):
@@ -665,19 +661,6 @@ def grad_accum_steps(config, world_size):
     return config.total_batch_size // (B * T * world_size)
 
 
-def open_out_dir(config):
-    """Rank 0's handle on out_dir (checkpoints.OutDir: a second run on the same out_dir stops
-    here), and the checkpoints out_dir holds. Raises UserError, on every rank, when resume=never
-    would overwrite them without overwrite=true. A collective."""
-    out = agreed(lambda: checkpoints.OutDir(config.out_dir), master_only=True)
-    existing = sorted(Path(config.out_dir).glob(checkpoints.PATTERN))
-    if config.resume == "never" and existing and not config.overwrite:
-        raise UserError(f"{config.out_dir} has checkpoints and resume=never would overwrite them; "
-                        f"pass --resume=auto to continue, --overwrite=true to start over, or "
-                        f"another --out_dir")
-    return out, existing
-
-
 def sample_prompt(config):
     """config.sample_prompt's GPT-2 tokens; an empty prompt starts from <|endoftext|>, as GPT-2's
     unconditional samples. Raises UserError for a token the model's vocab_size lacks."""
@@ -698,96 +681,51 @@ def make_loaders(config, rank, world_size, device):
         DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank,
                    world_size, device, config.dataset) for split in ("train", "val")])
     paths = [path for loader in loaders for path in loader.paths]  # both splits in one scan
-    maxima = max_token_ids(paths, Path(config.out_dir) / "token_ids.json", rank, world_size,
-                           lambda values: all_reduce_max(values, device))
-    for path, largest in zip(paths, maxima):
-        if largest >= config.vocab_size:
-            raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size="
-                            f"{config.vocab_size}: it was made with another tokenizer; remake it "
-                            f"with prepare_data.py or raise vocab_size")
+    check_token_ids(paths, config.vocab_size, Path(config.out_dir) / "token_ids.json", rank,
+                    world_size, lambda values: all_reduce_max(values, device))
     return loaders
 
 
-def resume(config, mode, train_loader):
-    """Loads the newest checkpoint of out_dir that loads (chosen on rank 0, which sets damaged
-    newer ones aside: checkpoints.newest_loadable) into the model, optimizer and train loader, on
-    every rank. No RNG state is needed: every random draw after init is seeded from (seed, step...).
-
-    Returns (its step, its path, whether the evaluations of its step ran before it was saved), or
-    (0, None, False) when resume=never or out_dir has no checkpoint.
-    Raises UserError, on every rank, when none loads, when it is of another model or optimizer
-    format, or when a rank cannot read the one rank 0 chose. A collective.
-    """
-    if config.resume == "never":
-        return 0, None, False
-    master_process = not dist.is_initialized() or dist.get_rank() == 0
-    found = agreed(lambda: checkpoints.newest_loadable(config.out_dir, log), master_only=True)
-    path = broadcast_object(found[0] if master_process else None)
-    if path is None:
-        return 0, None, False
-
-    def load():
-        if master_process:
-            return found[1]
-        try:
-            return checkpoints.load(path)
-        except checkpoints.Unloadable as e:
-            raise UserError(f"checkpoint {path} loads on rank 0 but not on this node ({e}): out_dir "
-                            f"must be a directory that every node sees") from None
-
-    ckpt = agreed(load)
-    saved = ckpt["config"]
-    saved_optimizer = saved.get("optimizer", Config.optimizer)  # checkpoints of before Muon lack it
-    if saved_optimizer != config.optimizer:
-        raise UserError(f"checkpoint {path} was trained with optimizer={saved_optimizer}, and "
-                        f"{config.optimizer} cannot continue its optimizer state: keep --optimizer="
-                        f"{saved_optimizer}, or start a new run from its weights with "
-                        f"--out_dir=NEW_DIR --init_from={config.out_dir}")
-    diff = {k: (saved.get(k), getattr(config, k)) for k in MODEL_KEYS
-            if saved.get(k) != getattr(config, k)}
-    # checkpoints without the key are of the default mode
-    saved_mode = SHARDING_MODES.get(saved.get("sharding"), SHARDING_MODES[Config.sharding])
-    if saved_mode.optimizer_state_format != mode.optimizer_state_format:
-        diff["sharding"] = (saved.get("sharding"), config.sharding)
-    if diff:
-        raise UserError(
-            f"checkpoint {path} is of another model: "
-            + ", ".join(f"{k}={a} in the checkpoint, {b} in this run" for k, (a, b) in diff.items())
-            + f"; to train this model, start a new run with --out_dir=NEW_DIR, or start over in "
-            f"{config.out_dir} with --resume=never --overwrite=true (deletes its checkpoints)")
-    mode.load_state_dict(ckpt["model"], ckpt["optimizer"])
-    train_loader.load_state_dict(ckpt["loader"])
-    log(f"resumed from {path} at step {ckpt['step']}")
-    # checkpoints of before 2026-11-24 were saved before their step's evaluations
-    return ckpt["step"], path, ckpt.get("evaluated", False)
-
-
-def build_model(config, device, pretrained_state=None):
-    """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
-    loaded from pretrained_state."""
-    torch.manual_seed(config.seed)
-    model = GPT(config).to(device)
-    if pretrained_state is not None:
-        model.load_state_dict(pretrained_state)
-    if config.compile and config.dropout > 0:
-        # compiled dropout draws other masks than eager unless it falls back to eager RNG
-        torch._inductor.config.fallback_random = True
-    return model
-
-
-def start_run(config, mode, train_loader, out, existing):
-    """Resumes (resume()) and starts out_dir's log at the step it resumed at. Returns that step
-    and whether its evaluations ran before its checkpoint was saved; None, with a line saying so,
-    when the run is already complete. With overwrite, the old
-    checkpoints and log stay until this run's first checkpoint (checkpoints.OutDir.start).
-    A collective."""
-    start_step, resumed_from, evaluated = resume(config, mode, train_loader)
+def resume(config, raw_model, optimizer, train_loader, out, existing):
+    """Loads out_dir's newest checkpoint (checkpoints.load_newest) into the model, optimizer and
+    train loader, and starts out_dir's log at its step (OutDir.start: with overwrite, the old
+    checkpoints and log stay until this run's first checkpoint). No RNG state is needed: every
+    random draw after init is seeded from (seed, step). Returns (the step resumed at, whether its
+    evaluations ran before it was saved): (0, False) for a fresh start; None, with a line saying
+    so, when the run is complete. Raises UserError, on every rank and before anything loads, for
+    a checkpoint of an older format or of another model (its state's keys and shapes) or
+    optimizer. A collective."""
+    path, ckpt = checkpoints.load_newest(config.out_dir, log) if config.resume == "auto" else (None, None)
+    if path is not None:
+        new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
+        if ckpt.get("version") != checkpoints.VERSION:
+            raise UserError(f"checkpoint {path} is of an older format than this train_gpt2.py "
+                            f"resumes (version {checkpoints.VERSION}): {new_run}")
+        saved, groups = ckpt["config"], [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]]
+        if saved["optimizer"] != config.optimizer or groups != [
+                len(g["params"]) for g in optimizer.param_groups]:
+            raise UserError(f"checkpoint {path} was trained with optimizer={saved['optimizer']} and "
+                            f"parameter groups of {groups} tensors, which this run's optimizer cannot "
+                            f"continue: keep its optimizer, or {new_run}")
+        diff = [f"{k}={saved[k]} in the checkpoint, {getattr(config, k)} in this run"
+                for k in MODEL_KEYS if saved[k] != getattr(config, k)]
+        expected = meta_model(config).state_dict()
+        problems = ", ".join(diff) or gpt2_weights.state_mismatch(ckpt["model"], expected)
+        if problems:
+            raise UserError(f"checkpoint {path} is of another model: {problems}; to train this model, "
+                            f"start a new run with --out_dir=NEW_DIR, or start over in {config.out_dir} "
+                            f"with --resume=never --overwrite=true (deletes its checkpoints)")
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])  # after the weights: zero2 slices them
+        train_loader.load_state_dict(ckpt["loader"])
+        log(f"resumed from {path} at step {ckpt['step']}")
+    start_step, evaluated = (ckpt["step"], ckpt["evaluated"]) if path else (0, False)
     if start_step >= config.max_steps:
         log(f"the run in {config.out_dir} is complete: step {start_step} of max_steps="
             f"{config.max_steps}. Raise --max_steps to train on, or start over with --resume=never "
             f"--overwrite=true or another --out_dir")
         return None
-    agreed(lambda: out.start(start_step, resumed_from, existing if config.resume == "never" else []),
+    agreed(lambda: out.start(start_step, path, existing if config.resume == "never" else []),
            master_only=True)
     return start_step, evaluated
 
@@ -814,8 +752,7 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype):
     rank, world_size, device = val_loader.rank, val_loader.world_size, val_loader.device
     model.eval()
     total = torch.zeros(2, device=device, dtype=sum_dtype)  # sum of losses, number of batches
-    # every rank runs as many batches (FSDP's all-gathers must pair up); those past val_batches
-    # get weight 0
+    # every rank runs as many batches (FSDP's all-gathers pair up); those past val_batches weigh 0
     with torch.no_grad():
         for g in range(rank, math.ceil(val_batches / world_size) * world_size, world_size):
             x, y = val_loader.get_batch(g)
@@ -840,13 +777,13 @@ def sample(model, prompt, config, step, device):
     return gpt2_encoding().decode(tokens[0].tolist())
 
 
-def save_checkpoint(out, step, mode, config, train_loader, evaluated):
+def save_checkpoint(out, step, raw_model, optimizer, config, train_loader, evaluated):
     """Saves the checkpoint of `step` (checkpoints.OutDir.save) and returns its step. Every rank
-    calls it: the sharded modes gather their state into full tensors first, and all ranks stop if
-    it fails."""
-    model_state, optimizer_state = mode.state_dict()
-    state = {"model": model_state, "optimizer": optimizer_state, "config": dataclasses.asdict(config),
-             "step": step, "loader": train_loader.state_dict(), "evaluated": evaluated}
+    calls it: the sharded swap-ins gather their state into whole tensors, and all ranks stop if
+    the save fails."""
+    state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+             "config": dataclasses.asdict(config), "step": step, "loader": train_loader.state_dict(),
+             "evaluated": evaluated}
     path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
     log(f"saved {path}")
     return step
@@ -872,6 +809,31 @@ def derived_seed(*parts):
 
 MAX_SKIPPED_STEPS = 3  # updates skipped for a non-finite loss or gradient, in a row, end the run
 
+# -----------------------------------------------------------------------------
+# Data parallelism: DDP, or a swap-in for it
+
+
+def parallelize(raw_model, config, device):
+    """(model, optimizer, clip_grad_norm_) of a run: raw_model compiled and wrapped in DDP (under
+    torchrun), its optimizer, and torch's clipping; or for sharding=zero2 or fsdp, or with
+    exact_reduction, the swap-ins of gpt2_ddp/data_parallel.py, which present DDP's interface and
+    torch.optim's and bring their own clipping where torch's norm would be wrong (sliced gradients,
+    float64 sums)."""
+    optimizer = raw_model.configure_optimizers(config, device.type)
+    if config.sharding != "ddp" or config.exact_reduction:
+        model, optimizer = data_parallel.wrap(raw_model, optimizer, config, device)
+        return model, optimizer, model.clip_grad_norm_
+    model = torch.compile(raw_model) if config.compile and not config.compile_ddp else raw_model
+    if dist.is_initialized():  # launched by torchrun
+        model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                    bucket_cap_mb=config.bucket_cap_mb,
+                    gradient_as_bucket_view=config.gradient_as_bucket_view)
+        if config.grad_compression == "bf16":
+            model.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+    if config.compile and config.compile_ddp:  # DDPOptimizer splits the graph at the buckets
+        model = torch.compile(model)
+    return model, optimizer, torch.nn.utils.clip_grad_norm_
+
 
 # -----------------------------------------------------------------------------
 # Training
@@ -879,24 +841,21 @@ MAX_SKIPPED_STEPS = 3  # updates skipped for a non-finite loss or gradient, in a
 
 def train(config, rank, world_size, device):
     """Trains `config` on this rank of world_size (a collective from start to end): sets up
-    out_dir, data, model, sharding mode and optimizer, resumes, and runs the loop. Returns the
-    exit code: 0, or 128 + the signal that stopped it. Raises UserError, on every rank."""
+    out_dir, data, model, DDP or its swap-in, and the optimizer, resumes, and runs the loop.
+    Returns the exit code: 0, or 128 + the signal that stopped it. Raises UserError, on every rank."""
     grad_accum = grad_accum_steps(config, world_size)
     micro_batches_per_step = grad_accum * world_size
-    log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens "
-        f"= {config.micro_batch_size} x {config.seq_len} x {world_size} x {grad_accum} grad accum "
-        f"steps")
-    # gradients sum to the step's mean: each rank divides by its own micro-batches and DDP averages
-    # over ranks; exact_reduction sums in float64 over ranks, dividing alike at every world size
+    log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens = "
+        f"{config.micro_batch_size} x {config.seq_len} x {world_size} x {grad_accum} grad accum steps")
+    # the gradients sum to the step's mean: DDP averages over ranks, exact_reduction sums in float64
     loss_divisor = micro_batches_per_step if config.exact_reduction else grad_accum
     sum_dtype = torch.float64 if config.exact_reduction else torch.float32
-    out, existing = open_out_dir(config)
+    out, existing = checkpoints.open_out_dir(config)
     # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
     resuming = config.resume == "auto" and bool(existing)
     config, pretrained_state = agreed(lambda: init_from(config, weights=not resuming))
     prompt = sample_prompt(config)
     if config.hellaswag_interval > 0:
-        import hellaswag  # imported only when used
         hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
     train_loader, val_loader = make_loaders(config, rank, world_size, device)
 
@@ -904,12 +863,9 @@ def train(config, rank, world_size, device):
     autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else nullcontext())
     raw_model = build_model(config, device, pretrained_state)
-    mode = SHARDING_MODES[config.sharding](raw_model, config, rank, world_size, device)
-    # the groups are taken after the mode's wrap: fsdp has replaced the parameters by DTensors
-    optimizer = mode.shard_optimizer(optimizers.param_groups(raw_model, config), functools.partial(
-        optimizers.make_optimizer, config=config, device=device))
-    log(memory_plan.summary(config, world_size, device.type))
-    started = start_run(config, mode, train_loader, out, existing)
+    model, optimizer, clip_grad_norm_ = parallelize(raw_model, config, device)
+    log(memory_plan.summary(config, world_size, device.type, memory_counts(config)))
+    started = resume(config, raw_model, optimizer, train_loader, out, existing)
     if started is None:
         return 0
     start_step, evaluated = started
@@ -925,8 +881,7 @@ def train(config, rank, world_size, device):
     stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
     for step in range(start_step, config.max_steps + 1):  # step: the optimizer updates done
         last_step = step == config.max_steps
-        # saves come after the step's evaluations, but a stop's, which leaves them to the run
-        # that resumes (if it is not the last step)
+        # a stop leaves the evaluations to the run that resumes, unless it is the last step
         measure = (not stop or last_step) and (step > start_step or not evaluated)
         if measure and every(config.eval_interval, step, config):
             val_loss = evaluate(raw_model, val_loader, config.val_batches, autocast, sum_dtype)
@@ -939,11 +894,11 @@ def train(config, rank, world_size, device):
         if measure and every(config.sample_interval, step, config) and step > 0:
             text = sample(raw_model, prompt, config, step, device)  # on every rank: FSDP gathers
             log(f"sample at step {step}: {text!r}")
-        # a stop or the last step always saves (a skipped update left the weights as they were);
-        # the interval does not during a run of skipped updates, which may be a divergence
+        # a stop and the last step always save (a skipped update left the weights as they were);
+        # the interval does not in a run of skipped updates, which may be a divergence
         if step > start_step and (stop or last_step or (
                 not skipped and every(config.checkpoint_interval, step, config))):
-            last_saved = save_checkpoint(out, step, mode, config, train_loader, measure)
+            last_saved = save_checkpoint(out, step, raw_model, optimizer, config, train_loader, measure)
         if stop:
             signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
             log(f"stopped by {signal.Signals(signum).name} after step {step}, which is saved; "
@@ -953,42 +908,42 @@ def train(config, rank, world_size, device):
             break
 
         t0 = time.time()
-        optimizer.zero_grad()
-        loss_sum = torch.zeros((), device=device, dtype=sum_dtype)
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device, dtype=sum_dtype)
         for micro_step in range(grad_accum):
             last_micro_step = micro_step == grad_accum - 1
             with record_function("data"):
                 x, y = train_loader.next_batch()
-            # sync gradients on the last micro-step only; DDP reads its flag in forward as well
-            # as backward, so it is set before the forward (build-nanogpt #30)
-            mode.set_grad_sync(last_micro_step)
+            # sync on the last micro-step only; DDP reads the flag in its forward too (build-nanogpt #30)
+            model.require_backward_grad_sync = last_micro_step
             m = micro_step * world_size + rank  # this micro-batch's number within the step
             # dropout masks depend on (seed, step, m) alone, so on no world size
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     record_function("forward_backward_sync" if last_micro_step else "forward_backward"):
                 torch.manual_seed(derived_seed(config.seed, step, m))
                 with autocast, record_function("forward"):
-                    _, loss = mode.model(x, y)
+                    _, loss = model(x, y)
                 with record_function("backward"):
                     (loss / loss_divisor).backward()
-            loss_sum += loss.detach()
-        # the step's loss sum carries, in the same all-reduce, whether any rank was asked to stop
+            loss_accum += loss.detach()
+        # the loss summed over ranks, and whether any rank was asked to stop, in one all-reduce
         # (fill_ takes the host's value without the sync a new device tensor would cost)
-        totals = torch.stack([loss_sum, stop_flag.fill_(len(stop_signals))])
+        totals = torch.stack([loss_accum, stop_flag.fill_(len(stop_signals))])
         if dist.is_initialized():
-            dist.all_reduce(totals)
-        loss_sum, stop = totals
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        loss_accum, stop = totals
         with record_function("optimizer"):
             lr = get_lr(step, config)
-            optimizers.set_lr(optimizer, lr)
-            norm = mode.clip_grad_norm(config.grad_clip)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
             # the step's one host sync, before the update: a non-finite loss or gradient norm
             # (divergence, a bad batch) skips it, leaving weights and optimizer state untouched
             loss_value, stop, norm = torch.stack(
-                [(loss_sum / micro_batches_per_step).float(), stop.float(), norm]).tolist()
+                [(loss_accum / micro_batches_per_step).float(), stop.float(), norm.float()]).tolist()
             finite = math.isfinite(loss_value) and math.isfinite(norm)
             if finite:
-                mode.step()
+                optimizer.step()
         skipped = 0 if finite else skipped + 1
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -1007,8 +962,8 @@ def train(config, rank, world_size, device):
 
 
 def main(argv):
-    """Sets up the device and process group from torchrun's variables and runs train(); returns
-    the exit code (non-zero when a signal stopped the run)."""
+    """Sets up the device and process group from torchrun's variables, runs train() and tears the
+    group down; returns the exit code (non-zero when a signal stopped the run)."""
     check_torch_version()
     config = load_config(argv)
     rank, world_size, device = setup_distributed(config)
@@ -1016,12 +971,13 @@ def main(argv):
     try:
         return train(config, rank, world_size, device)
     finally:
-        # the loop's handlers (catch_stop_signals) end with it: a process that goes on after
-        # main() would ignore its first SIGTERM, and so would the workers it forks, which
-        # multiprocessing.Pool ends with one SIGTERM (prepare_data.py's pool hung on that)
+        # the loop's handlers end with it: a process that goes on after main() (a test) would
+        # ignore its first SIGTERM, and so would the workers it forks
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        teardown_distributed()
+        if dist.is_initialized():
+            gc.collect()  # gloo aborts at exit if its work objects, in reference cycles, outlive the group
+            destroy_process_group()
 
 
 if __name__ == "__main__":

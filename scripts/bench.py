@@ -5,12 +5,12 @@ Benchmarks short trainings of one config in several variants and prints one tabl
 Muon's Newton-Schulz iterations on the matrices rank 0 owns), the optimizer state one rank holds,
 and the bytes one rank hands to collectives per step.
 
-    python scripts/bench.py configs/gpt2_124m.toml --nproc 1                  # one GPU
-    python scripts/bench.py configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
-    python scripts/bench.py configs/shakespeare_cpu.toml --nproc 2 --variants eager compile
-    python scripts/bench.py configs/gpt2_124m.toml --variants compile --micro_batch_sizes 16 32 64
-    python scripts/bench.py configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
-    python scripts/bench.py configs/gpt2_124m.toml --variants adamw muon
+    python -m scripts.bench configs/gpt2_124m.toml --nproc 1                  # one GPU
+    python -m scripts.bench configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
+    python -m scripts.bench configs/shakespeare_cpu.toml --nproc 2 --variants eager compile
+    python -m scripts.bench configs/gpt2_124m.toml --variants compile --micro_batch_sizes 16 32 64
+    python -m scripts.bench configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
+    python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
 
 Each variant is a run of train_gpt2.py (torchrun when --nproc > 1) with the config, the variant's
 overrides, `--profile=true` and the extra `--key=value` arguments given here. Steps 3-5 are
@@ -24,13 +24,10 @@ import json
 import math
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-import runs  # noqa: E402
-from configurator import UserError  # noqa: E402
+from gpt2_ddp import configurator, runs
+from gpt2_ddp.configurator import UserError
 
 PROFILED_STEPS = 3  # train_gpt2.py's profiler schedule: wait 2, warm up 1, record 3
 UNTIMED_STEPS = 6  # compilation, warm-up and the profiled steps

@@ -1,8 +1,8 @@
 """
 Host memory and speed of train_gpt2.DataLoader as the shards grow: its memory should stay flat.
 
-    python scripts/bench_loader.py                             # shards of 1e6, 1e7, 5e7 tokens
-    python scripts/bench_loader.py --sizes 1e6 1e8 --batches 500 --tmp_dir /mnt/scratch
+    python -m scripts.bench_loader                             # shards of 1e6, 1e7, 5e7 tokens
+    python -m scripts.bench_loader --sizes 1e6 1e8 --batches 500 --tmp_dir /mnt/scratch
 
 For each size it writes one val and one train shard of random GPT-2 token ids with
 shards.write_shard into a temp dir under --tmp_dir, then, in a fresh Python process (so
@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import configurator  # noqa: E402
-from configurator import UserError  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
 
 
 def peak_rss_mb():
@@ -58,7 +57,7 @@ def measure(data_dir, B, T, n_batches):
     starts = np.linspace(0, loader.batches_per_epoch - 1, n_batches).astype(int)
     t0 = time.perf_counter()
     for g in starts:  # jump to micro-batch g, as a resumed run would, then read it
-        loader.load_state_dict({"batch_index": int(g), "tokens_per_batch": B * T})
+        loader.load_state_dict({"tokens": int(g) * B * T})
         x, y = loader.next_batch()
         assert x.shape == (B, T) and y.shape == (B, T)
     seconds = time.perf_counter() - t0
@@ -81,7 +80,7 @@ def main(argv=None):
         print(json.dumps(measure(args.measure, B, T, args.batches)))
         return
 
-    from shards import write_shard
+    from gpt2_ddp.shards import write_shard
 
     rng = np.random.default_rng(0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_", dir=args.tmp_dir))
@@ -92,9 +91,9 @@ def main(argv=None):
             data_dir.mkdir()
             for name, n in (("rand_val_000000.bin", max(size // 10, 1)), ("rand_train_000001.bin", size)):
                 write_shard(data_dir / name, rng.integers(0, 50257, n, dtype=np.uint16))
-            cmd = [sys.executable, __file__, "--measure", str(data_dir), "-B", str(B), "-T", str(T),
-                   "--batches", str(args.batches)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "scripts.bench_loader", "--measure", str(data_dir), "-B", str(B),
+                   "-T", str(T), "--batches", str(args.batches)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 raise UserError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
             rows.append((size, json.loads(proc.stdout.splitlines()[-1])))

@@ -2,10 +2,10 @@
 Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers'
 GPT2LMHeadModel.generate, on the same random weights.
 
-    python scripts/bench_sample.py                                  # 124M, 200 and 1000 tokens
-    python scripts/bench_sample.py --new_tokens 200 --repeats 3
-    python scripts/bench_sample.py --devices cuda                   # the GPU alone
-    python scripts/bench_sample.py --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
+    python -m scripts.bench_sample                                  # 124M, 200 and 1000 tokens
+    python -m scripts.bench_sample --new_tokens 200 --repeats 3
+    python -m scripts.bench_sample --devices cuda                   # the GPU alone
+    python -m scripts.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
 
 A GPT of the given shape (GPT-2 124M by default, vocab_size 50304) is initialized from --seed,
 and transformers' GPT-2 is built from its state dict (Conv1D weights transposed), so both compute
@@ -23,15 +23,13 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-from configurator import UserError  # noqa: E402
-from gpt2_weights import CONV1D  # noqa: E402
-from train_gpt2 import GPT, Config  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.gpt2_weights import CONV1D
+from train_gpt2 import GPT, Config
 
 PROMPT_TOKENS = 16
 TOP_K = 50

@@ -1,9 +1,9 @@
 """
 Tokenization throughput of prepare_data.py's pipeline against tiktoken's own batch encoder.
 
-    python scripts/bench_tokenizer.py                          # tiny shakespeare paragraphs x 10
-    python scripts/bench_tokenizer.py --workers 1 2 4 --trials 5
-    python scripts/bench_tokenizer.py --input corpus.txt --repeat 1
+    python -m scripts.bench_tokenizer                          # tiny shakespeare paragraphs x 10
+    python -m scripts.bench_tokenizer --workers 1 2 4 --trials 5
+    python -m scripts.bench_tokenizer --input corpus.txt --repeat 1
 
 Documents are the paragraphs (split at blank lines) of assets/tinyshakespeare.txt, or of --input,
 repeated --repeat times. For each worker count N it times, on the same documents:
@@ -16,15 +16,13 @@ per document higher; the script checks that.
 """
 
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import configurator  # noqa: E402
-import prepare_data  # noqa: E402
-from configurator import UserError  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
+import prepare_data
 
 
 def load_docs(path, repeat):
@@ -48,11 +46,14 @@ def best_time(fn, trials):
 def main(argv=None):
     parser = configurator.ArgumentParser(description=__doc__)
     parser.add_argument("--input", default=str(prepare_data.TINYSHAKESPEARE_PATH),
-                        help="UTF-8 text file, split into documents at blank lines (default: tiny shakespeare)")
-    parser.add_argument("--repeat", type=int, default=10, help="times the documents are repeated (default: 10)")
+                        help="UTF-8 text file, split into documents at blank lines "
+                        "(default: tiny shakespeare)")
+    parser.add_argument("--repeat", type=int, default=10,
+                        help="times the documents are repeated (default: 10)")
     parser.add_argument("--workers", type=int, nargs="+", default=sorted({1, os.cpu_count()}),
                         help="worker counts to time (default: 1 and os.cpu_count())")
-    parser.add_argument("--trials", type=int, default=3, help="timed runs per measurement, best kept (default: 3)")
+    parser.add_argument("--trials", type=int, default=3,
+                        help="timed runs per measurement, best kept (default: 3)")
     args = parser.parse_args(argv)
 
     docs = load_docs(args.input, args.repeat)

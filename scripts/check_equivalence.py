@@ -2,9 +2,9 @@
 Checks the single-device promise on your machine: trains one config at several world sizes and
 prints how far each run's per-step losses and final weights are from the one-process run.
 
-    python scripts/check_equivalence.py configs/shakespeare_cpu.toml --max_steps=20
-    python scripts/check_equivalence.py configs/shakespeare_cpu.toml --max_steps=20 --exact_reduction=true
-    python scripts/check_equivalence.py configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
+    python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20
+    python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20 --exact_reduction=true
+    python -m scripts.check_equivalence configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
 
 Arguments other than --world_sizes and --out_dir go to train_gpt2.py. The config's
 total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
@@ -18,9 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-import runs  # noqa: E402
+from gpt2_ddp import configurator, runs
 
 
 def train(world_size, train_args, out_dir, python=sys.executable, label=None):

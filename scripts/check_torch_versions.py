@@ -6,7 +6,7 @@ gradient norms, val losses and final weights are from this interpreter's.
 
     python -m venv venv-2.8 && venv-2.8/bin/pip install torch==2.8.0 -r requirements.txt
     python prepare_data.py
-    python scripts/check_torch_versions.py --python venv-2.8/bin/python \
+    python -m scripts.check_torch_versions --python venv-2.8/bin/python \
         configs/shakespeare_cpu.toml --max_steps=20
 
 Arguments other than --python, --world_size, --tolerance and --out_dir go to train_gpt2.py. Exits
@@ -18,10 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-from check_equivalence import train  # noqa: E402
-from configurator import UserError  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
+from scripts.check_equivalence import train
 
 VARIANTS = {  # name: train_gpt2.py arguments
     mode + (" exact" if exact else ""): [f"--sharding={mode}", f"--exact_reduction={exact}".lower()]

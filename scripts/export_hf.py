@@ -3,8 +3,8 @@ Writes a train_gpt2.py checkpoint as a Hugging Face GPT-2 directory: config.json
 model.safetensors, and GPT-2's tokenizer (vocab.json, merges.txt) derived from
 assets/gpt2.tiktoken. `transformers` then loads it with no network:
 
-    python scripts/export_hf.py out/shakespeare_cpu out/shakespeare_cpu_hf  # an out_dir's latest
-    python scripts/export_hf.py out/gpt2_124m/ckpt_0019073.pt gpt2-124m-repro
+    python -m scripts.export_hf out/shakespeare_cpu out/shakespeare_cpu_hf  # an out_dir's latest
+    python -m scripts.export_hf out/gpt2_124m/ckpt_0019073.pt gpt2-124m-repro
 
     from transformers import GPT2LMHeadModel, GPT2TokenizerFast
     model = GPT2LMHeadModel.from_pretrained("out/shakespeare_cpu_hf")
@@ -13,13 +13,10 @@ assets/gpt2.tiktoken. `transformers` then loads it with no network:
 To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingface_hub's CLI).
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpt2_weights import save_hf  # noqa: E402
-from train_gpt2 import GPT  # noqa: E402
-import configurator  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.gpt2_weights import save_hf
+from train_gpt2 import GPT
 
 
 def main(argv):

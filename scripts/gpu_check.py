@@ -3,10 +3,10 @@ One command for a GPU machine, with nothing but the repo: makes its data without
 runs the CUDA tests, and measures GPT-2 124M on one GPU; writes report.md and each part's log
 into REPORT_DIR.
 
-    python scripts/gpu_check.py REPORT_DIR                  # every part
-    python scripts/gpu_check.py REPORT_DIR --part tests     # some parts (--part compile modes)
-    python scripts/gpu_check.py REPORT_DIR --dry_run        # print the plan, run nothing (any machine)
-    python scripts/gpu_check.py REPORT_DIR --tiny           # every part, toy-sized, on the CPU
+    python -m scripts.gpu_check REPORT_DIR                  # every part
+    python -m scripts.gpu_check REPORT_DIR --part tests     # some parts (--part compile modes)
+    python -m scripts.gpu_check REPORT_DIR --dry_run        # print the plan, run nothing (any machine)
+    python -m scripts.gpu_check REPORT_DIR --tiny           # every part, toy-sized, on the CPU
 
 The parts (PARTS below), each with a time limit that kills a hang, its processes and all:
   tests    python -m pytest tests/test_cuda.py: every CUDA path (bf16, compile, flash attention,
@@ -38,11 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import configurator  # noqa: E402
-import runs  # noqa: E402
-from atomic import atomic_write  # noqa: E402
-from configurator import UserError  # noqa: E402
+from gpt2_ddp import configurator, runs
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.configurator import UserError
 
 PYTHON = sys.executable
 CONFIG = "configs/gpt2_124m.toml"
@@ -77,7 +75,7 @@ def train_args(tiny, scratch):
 def bench(part, tiny, scratch):
     """bench.py's command for a benchmark part."""
     variants, micro_batch_sizes = bench_runs(part, tiny)
-    return [PYTHON, "scripts/bench.py", *train_args(tiny, scratch), "--nproc", "1",
+    return [PYTHON, "-m", "scripts.bench", *train_args(tiny, scratch), "--nproc", "1",
             "--steps", "1" if tiny else "5", "--variants", *variants,
             *(["--micro_batch_sizes", *map(str, micro_batch_sizes)] if micro_batch_sizes else []),
             "--out_dir", f"{scratch}/{part}"]
@@ -93,7 +91,7 @@ PARTS = {
     "modes": (480, "ddp, zero2 and fsdp at world size 1, exact_reduction, Muon", lambda tiny, scratch: [
         prepare(scratch), bench("modes", tiny, scratch)]),
     "sample": (240, "the KV-cache sampler against transformers' generate", lambda tiny, scratch: [
-        [PYTHON, "scripts/bench_sample.py", *(
+        [PYTHON, "-m", "scripts.bench_sample", *(
             ["--devices", "cpu", "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
              "--new_tokens", "8", "--repeats", "1"] if tiny else
             ["--devices", "cuda", "--new_tokens", "200", "1000", "--repeats", "3"])]]),
@@ -109,7 +107,7 @@ def shell(command):
 def check_plan(tiny, scratch):
     """Loads every benchmark run's train_gpt2.py config, as bench.py will build it: a bad key,
     variant or batch fails here, before a GPU spends minutes. Raises UserError."""
-    import bench  # scripts/, beside this file
+    from scripts import bench
     from train_gpt2 import grad_accum_steps, load_config
     for part in BENCHES:
         for _, overrides in bench.plan(*bench_runs(part, tiny)):

@@ -3,22 +3,20 @@ Plots one or more runs' log.jsonl into a PNG: train loss (raw and smoothed) and 
 HellaSwag acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient
 norm. Several runs are overlaid, each named by its directory.
 
-    python scripts/plot.py out/shakespeare_cpu                       # writes out/shakespeare_cpu/plot.png
-    python scripts/plot.py out/run_a out/run_b/log.jsonl --out compare.png
+    python -m scripts.plot out/shakespeare_cpu                       # writes out/shakespeare_cpu/plot.png
+    python -m scripts.plot out/run_a out/run_b/log.jsonl --out compare.png
 
 Needs matplotlib (pip install matplotlib), which training does not.
 """
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-from atomic import atomic_write  # noqa: E402
-from configurator import UserError  # noqa: E402
-from runs import read_log  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.runs import read_log
 
 # HellaSwag acc_norm of the models build-nanogpt measures itself against: OpenAI's GPT-2 124M under
 # this repo's scoring (build-nanogpt), and GPT-3 Small (125M) from the GPT-3 paper, table 3.2

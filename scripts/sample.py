@@ -1,9 +1,9 @@
 """
 Samples text from a trained model, printing tokens as they are drawn (nanoGPT's sample.py).
 
-    python scripts/sample.py out/shakespeare_cpu --prompt "ROMEO:"          # an out_dir's latest
-    python scripts/sample.py out/shakespeare_cpu/ckpt_0000450.pt --num_samples 3 --top_k 0
-    python scripts/sample.py gpt2 --prompt_file prompt.txt --temperature 0.8 --device cuda
+    python -m scripts.sample out/shakespeare_cpu --prompt "ROMEO:"          # an out_dir's latest
+    python -m scripts.sample out/shakespeare_cpu/ckpt_0000450.pt --num_samples 3 --top_k 0
+    python -m scripts.sample gpt2 --prompt_file prompt.txt --temperature 0.8 --device cuda
 
 The source is an out_dir (its latest checkpoint), a checkpoint file, a Hugging Face GPT-2
 directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once by huggingface_hub).
@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prepare_data import EOT_TOKEN, gpt2_encoding  # noqa: E402
-import configurator  # noqa: E402
-from configurator import UserError  # noqa: E402
-from train_gpt2 import GPT  # noqa: E402
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
+from train_gpt2 import GPT
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):

@@ -7,8 +7,8 @@ makes each rank write trace_rank{R}.json (steps 3-5) into its out_dir.
 
     torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml \
         --profile=true --max_steps=6 --out_dir=out/profile --resume=never --overwrite=true
-    python scripts/timeline.py out/profile                     # out/profile/timeline.png
-    python scripts/timeline.py out/profile --steps 2 --out ddp.png --title "ddp, 2 ranks"
+    python -m scripts.timeline out/profile                     # out/profile/timeline.png
+    python -m scripts.timeline out/profile --steps 2 --out ddp.png --title "ddp, 2 ranks"
 
 CPU traces (gloo) show collectives as the gloo worker threads run them; CUDA traces as the NCCL
 kernels run on the GPU, and compute as the GPU ran the ranges (gpu_user_annotation) when the
@@ -17,13 +17,11 @@ trace has them. Each rank's time starts at its first profiled step. Needs matplo
 
 import json
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import configurator  # noqa: E402
-from configurator import UserError  # noqa: E402
-from plot import pyplot, save_png  # noqa: E402  (beside this script)
+from gpt2_ddp import configurator
+from gpt2_ddp.configurator import UserError
+from scripts.plot import pyplot, save_png
 
 COMPUTE = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange",
            "optimizer": "tab:green", "newton_schulz": "tab:brown"}  # drawn in this order

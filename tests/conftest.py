@@ -12,10 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import runs  # noqa: E402
-from check_equivalence import compare  # noqa: E402
-from shards import write_shard  # noqa: E402
+from gpt2_ddp import runs
+from gpt2_ddp.shards import write_shard
+from scripts.check_equivalence import compare
 
 
 def pytest_configure(config):

@@ -1,4 +1,5 @@
-"""Runs train_gpt2.main under torchrun with instruments that the tests read afterwards.
+"""Runs train_gpt2.main under torchrun (with the repository root on PYTHONPATH) with instruments
+that the tests read afterwards.
 
 PROBE_OUT=DIR (required) receives, per rank, a JSON file with:
   events: in order, "allreduce <bucket index>" for each bucket a DDP comm hook all-reduces and
@@ -17,9 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import sharding  # noqa: E402
-import train_gpt2  # noqa: E402
+import train_gpt2
 
 events, micro_losses = [], []
 
@@ -64,11 +63,12 @@ original_step = torch.optim.AdamW.step
 
 
 def recording_step(self, *args, **kwargs):
-    events.append("step")
+    if self.param_groups[0]["params"][0].device.type != "meta":  # the memory plan's optimizer
+        events.append("step")
     return original_step(self, *args, **kwargs)
 
 
-sharding.DDP = ProbedDDP  # the modes wrap the model in DDP there
+train_gpt2.DDP = ProbedDDP  # parallelize() wraps the model in DDP
 train_gpt2.GPT.forward = recording_forward
 torch.optim.AdamW.step = recording_step
 try:

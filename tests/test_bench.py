@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import timeline
 from conftest import ROOT, TINY, make_shards
-from configurator import UserError
+from gpt2_ddp.configurator import UserError
+from scripts import timeline
 from train_gpt2 import GPT, load_config
 
 
@@ -17,7 +17,7 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     make_shards(tmp_path / "data", n_train=20000)
     args = [arg for arg in TINY if not arg.startswith("--compile")]
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", *args, f"--data_dir={tmp_path}/data",
+        [sys.executable, "-m", "scripts.bench", *args, f"--data_dir={tmp_path}/data",
          "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
          "compile", "compile_ddp", "exact:--exact_reduction=true,--compile=false", "muon",
          "--micro_batch_sizes", "1", "--out_dir", str(tmp_path / "bench")],

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-import bench_sample
-from configurator import UserError
 from conftest import ROOT
+from gpt2_ddp.configurator import UserError
+from scripts import bench_sample
 
 
 def run_script(name, *args):
-    """stdout of `python scripts/{name} args`; fails with the output if the script failed."""
-    cmd = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+    """stdout of `python -m scripts.{name} args`; fails with the output if the script failed."""
+    cmd = [sys.executable, "-m", f"scripts.{name}", *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -33,7 +33,7 @@ def number(cell):
 
 
 def test_bench_tokenizer():
-    out = run_script("bench_tokenizer.py", "--repeat", 1, "--trials", 1, "--workers", 1, 2)
+    out = run_script("bench_tokenizer", "--repeat", 1, "--trials", 1, "--workers", 1, 2)
     header, rows = table(out, "method")
     assert header.split() == ["method", "workers", "tokens", "seconds", "tokens/s", "ratio"]
     assert [(r[0], r[1]) for r in rows] == [("tiktoken", "1"), ("prepare_data", "1"),
@@ -48,7 +48,7 @@ def test_bench_tokenizer():
 def test_bench_loader_memory_stays_flat(tmp_path):
     # 4e7 tokens = 76 MiB of uint16: a loader holding the shard in RAM would grow by >= 76 MiB
     # (305 MiB as int64), far above the bound of 25% of it; the real loader grows by a few MiB
-    out = run_script("bench_loader.py", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp_dir", tmp_path)
+    out = run_script("bench_loader", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp_dir", tmp_path)
     header, rows = table(out, "shard")
     assert header.split() == ["shard", "tokens", "shard", "MB", "RSS", "before", "RSS", "loader",
                               "RSS", "after", "growth", "batches/s", "tokens/s"]

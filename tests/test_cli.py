@@ -11,17 +11,18 @@ import tomllib
 
 import pytest
 
-import configurator
-import prepare_data
-import runs
-import train_gpt2
-from check_equivalence import main as check_equivalence_main
 from conftest import TINY
-from configurator import UserError, help_lines
+from gpt2_ddp import configurator
+from gpt2_ddp import runs
+from gpt2_ddp.configurator import UserError, help_lines
+import prepare_data
+from scripts.check_equivalence import main as check_equivalence_main
+import train_gpt2
 
-SCRIPTS = ["hellaswag", "memory_plan", "prepare_data", "bench", "bench_loader", "bench_sample",
-           "bench_tokenizer", "check_equivalence", "check_torch_versions", "export_hf", "plot",
-           "sample", "timeline", "gpu_check"]
+SCRIPTS = ["prepare_data", *(f"scripts.{name}" for name in (
+    "hellaswag", "memory_plan", "bench", "bench_loader", "bench_sample", "bench_tokenizer",
+    "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline",
+    "gpu_check"))]
 
 
 def test_hyphen_spellings_parse_as_the_underscore_options():
@@ -120,9 +121,10 @@ def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
 
 
 @pytest.mark.parametrize("name, argv, message", [
-    ("check_equivalence", ["--world_sizes", "1", "0"], "--world_sizes must be >= 1"),
-    ("check_torch_versions", ["--python", "python", "--world_size=0"], "--world_size must be >= 1"),
-    ("bench", ["--nproc", "0"], "--nproc and --steps must be >= 1"),
+    ("scripts.check_equivalence", ["--world_sizes", "1", "0"], "--world_sizes must be >= 1"),
+    ("scripts.check_torch_versions", ["--python", "python", "--world_size=0"],
+     "--world_size must be >= 1"),
+    ("scripts.bench", ["--nproc", "0"], "--nproc and --steps must be >= 1"),
 ])
 def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, capsys):
     """torchrun itself answers --nproc_per_node=0 with a traceback."""

@@ -20,15 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hellaswag
-import memory_plan
-import metrics
-import optimizers
 from conftest import (ROOT, TINY, make_shards, markov_tokens, read_log, run_training,
                       write_hellaswag)
-from sharding import Replicas
-from shards import write_shard
-from train_gpt2 import GPT, Config, DataLoader, build_model, load_config
+from gpt2_ddp import hellaswag, memory_plan, metrics, muon
+from gpt2_ddp.shards import write_shard
+from train_gpt2 import GPT, Config, DataLoader, build_model, load_config, memory_counts
 
 BF16_RTOL = 2e-2
 FP32_RTOL = 1e-4
@@ -108,8 +104,7 @@ def test_bf16_autocast_trains(device):
     """Under bf16 autocast the matmuls run in bf16 (the logits are bf16), the loss is float32,
     and 40 AdamW steps bring the loss from ln(512) = 6.24 to under half of it."""
     model, config = small_model(device)
-    optimizer = optimizers.make_optimizer(optimizers.param_groups(model, config), Replicas(0, 1),
-                                          config, device)
+    optimizer = model.configure_optimizers(config, device.type)
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     x, y = markov_batches(device, 1)[0]
     with autocast:
@@ -167,18 +162,20 @@ def test_inductor_draws_other_dropout_masks_without_fallback_random(device):
 
 
 def test_fused_adamw_agrees_with_unfused(device):
-    """make_optimizer takes the fused AdamW kernel on CUDA (and the for-each one elsewhere); fused
-    and unfused take the same steps from the same gradients, to float32 rounding, on the device."""
+    """configure_optimizers takes the fused AdamW kernel on CUDA (and the for-each one elsewhere);
+    fused and unfused take the same steps from the same gradients, to float32 rounding, on the
+    device."""
     model, config = small_model(device)
-    chosen = optimizers.make_optimizer(optimizers.param_groups(model, config), Replicas(0, 1),
-                                       config, device)
+    chosen = model.configure_optimizers(config, device.type)
     assert chosen.defaults["fused"] is (device.type == "cuda")
     # no biases: the key bias's gradient is 0 but for rounding noise, which Adam scales up to
     # +-lr, so any rounding difference shows there in full (softmax ignores a shift of the keys)
     models = [small_model(device, bias=False)[0] for _ in range(2)]
-    adamws = [torch.optim.AdamW(optimizers.param_groups(m, config), lr=1e-2, betas=(0.9, 0.95),
-                                eps=1e-8, fused=fused, foreach=False if not fused else None)
-              for m, fused in zip(models, (True, False))]
+    groups = [[{"params": g["params"], "weight_decay": g["weight_decay"]}
+               for g in m.configure_optimizers(config, "cpu").param_groups] for m in models]
+    adamws = [torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused,
+                                foreach=False if not fused else None)
+              for g, fused in zip(groups, (True, False))]
     for x, y in markov_batches(device, 5):
         for m, adamw in zip(models, adamws):
             adamw.zero_grad()
@@ -190,7 +187,7 @@ def test_fused_adamw_agrees_with_unfused(device):
 
 def test_mfu_and_memory_are_logged(device, tmp_path):
     """A run logs MFU each step: the training FLOPs of a step (6N + 12 L H Q T per token, counted
-    here from memory_plan's parameter count) over dt and the peak, by GPU name where it is known
+    here from GPT-2's parameter count) over dt and the peak, by GPU name where it is known
     (metrics.PEAK_BF16_FLOPS) or from --peak_flops; on CUDA the peak of allocated memory too."""
     make_shards(tmp_path / "data")
     peak = metrics.peak_flops(device)
@@ -200,7 +197,8 @@ def test_mfu_and_memory_are_logged(device, tmp_path):
     run_training(args)
     steps, _ = read_log(tmp_path / "out")
     config = load_config(args)
-    n = memory_plan.n_params(config) - config.block_size * config.n_embd  # no wpe: a lookup
+    h = config.n_embd  # wte (tied to lm_head); per block 4 matmuls, their biases and 2 LayerNorms; ln_f
+    n = config.vocab_size * h + config.n_layer * (12 * h * h + 13 * h) + 2 * h  # no wpe: a lookup
     head_dim = config.n_embd // config.n_head
     flops_per_step = (6 * n + 12 * config.n_layer * config.n_head * head_dim * config.seq_len) * \
         config.total_batch_size
@@ -217,12 +215,12 @@ def test_muon_trains_on_the_device(device):
     its orthogonalization on the device agrees with the CPU's to bf16 tolerance, and 40 steps
     under training's autocast halve the loss."""
     G = torch.randn(3, 64, 192, generator=torch.Generator().manual_seed(0))
-    on_device = optimizers.orthogonalize(G.to(device)).float().cpu()
-    assert relative_error(on_device, optimizers.orthogonalize(G).float()) < BF16_RTOL
+    on_device = muon.orthogonalize(G.to(device)).float().cpu()
+    assert relative_error(on_device, muon.orthogonalize(G).float()) < BF16_RTOL
     model, config = small_model(device, optimizer="muon")
-    groups = optimizers.param_groups(model, config)
-    optimizer = optimizers.make_optimizer(groups, Replicas(0, 1), config, device)
-    optimizers.set_lr(optimizer, 1e-2)
+    optimizer = model.configure_optimizers(config, device.type)
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2 * group["lr_scale"]
     losses = train_steps(model, optimizer, markov_batches(device, 40), training_autocast(device))
     assert losses[0] > 5.5 and losses[-1] < losses[0] / 2, losses
 
@@ -348,7 +346,8 @@ def test_memory_plan_within_10_percent_of_the_allocator(cuda, tmp_path, micro_ba
             "--sample_interval=0", "--hellaswag_interval=0"]
     run_training(args)
     measured = max(r["mem_gb"] for r in read_log(tmp_path / "out")[0]) * 2**30
-    planned = memory_plan.plan(load_config(args), 1, "cuda")["total"]
+    config = load_config(args)
+    planned = memory_plan.plan(config, 1, "cuda", memory_counts(config))["total"]
     assert abs(planned - measured) / measured < 0.10, (planned / 2**30, measured / 2**30)
 
 
@@ -362,7 +361,7 @@ def test_a_cuda_checkpoint_resumes_and_samples_on_cpu(cuda, tmp_path):
     run_training([*common, "--device=cpu", "--max_steps=6"])
     steps, _ = read_log(tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    proc = subprocess.run([sys.executable, "scripts/sample.py", str(tmp_path / "out"), "--device",
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path / "out"), "--device",
                            "cpu", "--max_new_tokens", "5", "--prompt", "ab"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout + proc.stderr

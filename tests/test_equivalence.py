@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from check_equivalence import compare, print_table
 from conftest import (EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, assert_bitwise_same_run, free_port,
                       read_log)
+from scripts.check_equivalence import compare, print_table
 
 
 @pytest.mark.compat
@@ -73,7 +73,7 @@ PROBE = [*EQUIV, "--exact_reduction=false", f"--max_steps={PROBE_STEPS}"]
 def probe(args, nproc, out, late_toggle=False):
     """Runs tests/ddp_probe.py under torchrun; returns the per-rank probe records and the log."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(out),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(out), PYTHONPATH=str(ROOT),
                PROBE_LATE_TOGGLE="1" if late_toggle else "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "ddp_probe.py"), *args, f"--out_dir={out}", "--resume=never"]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import runs
 from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training
-from shards import write_shard
+from gpt2_ddp import runs
+from gpt2_ddp.shards import write_shard
 
 STEPS = 40
 # 8 micro-batches of 32 tokens per step; checkpoints every 5 steps; exact_reduction, so that runs
@@ -164,8 +164,9 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     run_training(args)
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
-    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "evaluated", "sha256"}
-    assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64}
+    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "evaluated", "version",
+                         "sha256"}
+    assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64} and ckpt["version"] == 2
 
     # rerunning a finished run says so, trains nothing and succeeds
     log_before = (tmp_path / "log.jsonl").read_text()
@@ -203,12 +204,10 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     assert f"error: no checkpoint in {tmp_path} can be loaded" in proc.stderr
 
 
-def test_resume_keeps_the_log_up_to_its_checkpoint_and_renumbers_old_logs(tmp_path):
+def test_resume_keeps_the_log_up_to_its_checkpoint(tmp_path):
     """Resuming from ckpt_4 keeps the records of steps <= 4 (the evaluations of step 4 ran before
-    it was saved) and drops the rest; a log of before 2026-11-24 numbered the updates from 0 and
-    saved ckpt_4 before evaluating step 4, so its updates are renumbered from 1 and its evaluation
-    of step 4, which the resumed run makes again, is dropped. A fresh start keeps nothing."""
-    import checkpoints
+    it was saved) and drops the rest. A fresh start keeps nothing."""
+    from gpt2_ddp import checkpoints
 
     def kept(records, resumed_from):
         out = checkpoints.OutDir(tmp_path)
@@ -226,8 +225,6 @@ def test_resume_keeps_the_log_up_to_its_checkpoint_and_renumbers_old_logs(tmp_pa
     ckpt = tmp_path / "ckpt_0000004.pt"
     new = [val(0), *map(train, range(1, 5)), val(4), train(5), train(6)]
     assert kept(new, ckpt) == [(0, False), *((s, True) for s in range(1, 5)), (4, False)]
-    old = [val(0), *map(train, range(0, 4)), val(4), train(4), train(5)]
-    assert kept(old, ckpt) == [(0, False), *((s, True) for s in range(1, 5))]
     assert kept(new, None) == []
 
 
@@ -404,7 +401,7 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(
     proc = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
                          "--checkpoint_interval=1", "--keep_checkpoints=1"])
     assert (f"cannot load checkpoint {out}/ckpt_0000009.pt (not a train_gpt2.py checkpoint: no "
-            f"optimizer, config, step, loader)") in proc.stdout
+            f"optimizer, config, step, loader, sha256)") in proc.stdout
     assert (f"cannot load checkpoint {out}/ckpt_0000004.pt (its contents do not match its checksum: "
             f"the file is corrupt)") in proc.stdout
     assert f"resumed from {out}/ckpt_0000002.pt at step 2" in proc.stdout
@@ -510,7 +507,7 @@ def test_a_filesystem_without_flock_gets_a_warning_not_a_traceback(tmp_path, mon
     goes on unlocked and says so."""
     import errno
     import fcntl
-    import checkpoints
+    from gpt2_ddp import checkpoints
 
     def no_locks(f, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import gpu_check
 from conftest import ROOT
-from configurator import UserError
+from gpt2_ddp.configurator import UserError
+from scripts import gpu_check
 
 
 def test_the_dry_run_prints_every_part_and_checks_its_configs(tmp_path, capsys, monkeypatch):
@@ -32,7 +32,7 @@ def test_the_dry_run_prints_every_part_and_checks_its_configs(tmp_path, capsys, 
 
 def test_the_tiny_run_goes_through_every_part_and_writes_the_report(tmp_path):
     report = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", str(report), "--tiny",
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", str(report), "--tiny",
                            "--scratch", str(tmp_path / "scratch")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

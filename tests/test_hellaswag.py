@@ -11,11 +11,12 @@ import torch
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel
 
-import hellaswag
 from conftest import ROOT, write_hellaswag
+from gpt2_ddp import hellaswag
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.tokenizer import gpt2_encoding
+from scripts.hellaswag import main as hellaswag_main
 from train_gpt2 import GPT
-from prepare_data import gpt2_encoding
-from configurator import UserError
 
 NATURAL = [  # examples in the official schema, shortened from the style of the val split
     {"ctx": "A man is sitting on a roof. He", "label": 3, "endings": [
@@ -80,7 +81,7 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
 
 
 def test_standalone_script_scores_a_model(hf_tiny, examples_file):
-    proc = subprocess.run([sys.executable, "hellaswag.py", str(hf_tiny), "--path", str(examples_file),
+    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path", str(examples_file),
                            "--examples", "5"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     model = GPT.from_pretrained(hf_tiny)
@@ -112,7 +113,7 @@ def test_a_damaged_file_gets_a_one_line_error(examples_file, tmp_path, damage, m
 def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file, tmp_path):
     path = tmp_path / "truncated.jsonl"
     path.write_bytes(examples_file.read_bytes()[:-30])
-    proc = subprocess.run([sys.executable, "hellaswag.py", str(hf_tiny), "--path", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path", str(path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr.startswith("hellaswag.py: error: ") and proc.stderr.count("\n") == 1
@@ -121,7 +122,7 @@ def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file,
 
 def test_a_negative_number_of_examples_is_refused(hf_tiny, examples_file, capsys):
     with pytest.raises(SystemExit) as excinfo:
-        hellaswag.main([str(hf_tiny), "--path", str(examples_file), "--examples", "-5"])
+        hellaswag_main([str(hf_tiny), "--path", str(examples_file), "--examples", "-5"])
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.endswith(
         ": error: --examples must be >= 0 (0: all), got -5\n")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import runs
-import train_gpt2
 from conftest import TINY, run_training, write_hellaswag
+from gpt2_ddp import runs
 from train_gpt2 import GPT, UserError, load_config
+import train_gpt2
 
 
 def fake_wandb(calls, init_error=None):

@@ -1,16 +1,17 @@
-"""memory_plan.py against what a CPU step holds, activation checkpointing against runs without it
-(in test_sharding.py's and test_equivalence.py's runs), and the GPT-2 size configs kept runnable."""
+"""The memory plan against what a CPU step holds, counted from the model and optimizer built;
+activation checkpointing against runs without it (in test_sharding.py's and test_equivalence.py's
+runs), and the GPT-2 size configs kept runnable."""
 
 import dataclasses
 import subprocess
 import sys
 
 import pytest
-import torch
 
-import memory_plan
 from conftest import ROOT, TINY, read_log, run_training
-from train_gpt2 import GPT, Config, load_config
+from gpt2_ddp import memory_plan
+from scripts.memory_plan import main as memory_plan_main, measure
+from train_gpt2 import Config, load_config, memory_counts, meta_model
 
 SMALL = Config(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512, micro_batch_size=4,
                seq_len=128, sharding="ddp")
@@ -23,41 +24,49 @@ def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer):
     checkpointing: the blocks' inputs, and one block recomputed) within 3%: the formula leaves out
     a few (B, T) index and statistics tensors."""
     config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing, optimizer=optimizer)
-    planned = memory_plan.plan(config, 1, "cpu")
-    measured = memory_plan.measure(config)
+    planned = memory_plan.plan(config, 1, "cpu", memory_counts(config))
+    measured = measure(config)
     for part in ("parameters", "gradients", "optimizer state"):
         assert measured[part] == planned[part], part
     assert measured["activations"] == pytest.approx(planned["activations"], rel=0.03)
 
 
-def test_parameter_count_of_every_shipped_gpt2_config():
-    for name in ("124m", "350m", "774m", "1558m"):
-        config = load_config([str(ROOT / "configs" / f"gpt2_{name}.toml")])
-        with torch.device("meta"):
-            model = GPT(config)
-        assert memory_plan.n_params(config) == sum(p.numel() for p in model.parameters())
+def test_the_plan_counts_the_model_and_optimizer_that_training_builds():
+    """GPT-2 124M (vocab padded to 50304) and AdamW's 8 bytes a parameter; the same model without
+    learned positions (a fork to RoPE, say) and with Muon's 4 bytes for the blocks' matrices are
+    counted as they are built, with no change to the plan."""
+    config = load_config([str(ROOT / "configs" / "gpt2_124m.toml")])
+    counts = memory_counts(config)
+    assert counts["params"] == 124_475_904 and counts["optimizer_bytes"] == 8 * counts["params"]
+    model = meta_model(config)
+    del model.transformer.wpe
+    fork = memory_plan.count(model, model.configure_optimizers(config, "meta"))
+    assert fork["params"] == counts["params"] - 1024 * 768
+    assert fork["optimizer_bytes"] == 8 * fork["params"]
+    muon = memory_counts(dataclasses.replace(config, optimizer="muon"))
+    assert muon["optimizer_bytes"] == 8 * counts["params"] - 4 * 12 * 12 * 768 ** 2
 
 
 def test_sharding_and_checkpointing_fit_larger_micro_batches():
     config = load_config([str(ROOT / "configs" / "gpt2_1558m.toml")])
-    gb80 = 80 * memory_plan.GB
+    gb80, counts = 80 * memory_plan.GB, memory_counts(config)
     fits = {(mode, ckpt): memory_plan.max_micro_batch(
-        dataclasses.replace(config, sharding=mode, activation_checkpointing=ckpt), 8, "cuda", gb80)
-        for mode in ("ddp", "zero2", "fsdp") for ckpt in (False, True)}
+        dataclasses.replace(config, sharding=mode, activation_checkpointing=ckpt), 8, "cuda", counts,
+        gb80) for mode in ("ddp", "zero2", "fsdp") for ckpt in (False, True)}
     for ckpt in (False, True):
         assert fits[("ddp", ckpt)] < fits[("zero2", ckpt)] < fits[("fsdp", ckpt)]
     for mode in ("ddp", "zero2", "fsdp"):
         assert fits[(mode, False)] < fits[(mode, True)]
     # the largest fits 90% of the memory, one more does not; the shipped config is among those
     largest = dataclasses.replace(config, micro_batch_size=fits[("zero2", False)])
-    assert memory_plan.plan(largest, 8, "cuda")["total"] <= 0.9 * gb80
+    assert memory_plan.plan(largest, 8, "cuda", counts)["total"] <= 0.9 * gb80
     one_more = dataclasses.replace(largest, micro_batch_size=largest.micro_batch_size + 1)
-    assert memory_plan.plan(one_more, 8, "cuda")["total"] > 0.9 * gb80
+    assert memory_plan.plan(one_more, 8, "cuda", counts)["total"] > 0.9 * gb80
     assert config.sharding == "zero2" and config.micro_batch_size <= fits[("zero2", False)]
 
 
 def test_script_prints_the_plan_and_what_fits():
-    proc = subprocess.run([sys.executable, "memory_plan.py", "configs/gpt2_1558m.toml",
+    proc = subprocess.run([sys.executable, "-m", "scripts.memory_plan", "configs/gpt2_1558m.toml",
                            "--world_size", "8", "--gpu_memory", "80"], cwd=ROOT, capture_output=True,
                           text=True, check=True)
     lines = proc.stdout.splitlines()
@@ -75,7 +84,7 @@ def test_script_prints_the_plan_and_what_fits():
 ])
 def test_a_world_size_or_gpu_memory_out_of_range_is_refused(capsys, option, value, rule):
     with pytest.raises(SystemExit) as excinfo:
-        memory_plan.main(["configs/gpt2_124m.toml", option, value])
+        memory_plan_main(["configs/gpt2_124m.toml", option, value])
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.endswith(f": error: {rule}\n")
 

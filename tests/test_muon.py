@@ -8,12 +8,11 @@ import shutil
 import pytest
 import torch
 
-import optimizers
-from check_equivalence import compare
 from conftest import EQUIV, assert_bitwise_same_run, hellaswag_args, read_log, run_training
-from configurator import UserError
-from sharding import Replicas
-from train_gpt2 import GPT, load_config
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.muon import Chain, Muon, orthogonalize
+from scripts.check_equivalence import compare
+from train_gpt2 import GPT, load_config, meta_model
 
 STEPS, CHECKPOINT_STEP = 12, 8
 MUON = [*EQUIV, "--optimizer=muon", "--muon_lr=0.05", f"--max_steps={STEPS}", "--eval_interval=4",
@@ -33,8 +32,7 @@ def test_update_equals_torch_optim_muon(shape, splits):
     torch.manual_seed(0)
     start = torch.randn(shape)
     ours = torch.nn.Parameter(start.clone())
-    optimizer = optimizers.Muon([{"params": [ours], "splits": splits, "weight_decay": 0.1}],
-                                Replicas(0, 1), lr=0.02)
+    optimizer = Muon([{"params": [ours], "splits": splits, "weight_decay": 0.1}], lr=0.02)
     theirs = [torch.nn.Parameter(m.clone()) for m in start.chunk(splits)]
     reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                                  adjust_lr_fn="original")
@@ -56,7 +54,7 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values():
     for m, n in ((64, 32), (32, 64)):
         U, _, Vh = torch.linalg.svd(torch.randn(m, n), full_matrices=False)
         s = torch.linspace(0.1, 1.0, min(m, n))
-        O = optimizers.orthogonalize(((U * s) @ Vh)[None])[0].float()
+        O = orthogonalize(((U * s) @ Vh)[None])[0].float()
         D = U.T @ O @ Vh.T
         diagonal = D.diagonal()
         assert diagonal.min() > 0.6 and diagonal.max() < 1.25, diagonal
@@ -66,9 +64,9 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values():
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     config = load_config([*MUON, "--n_layer=2"])
     model = GPT(config)
-    groups = optimizers.param_groups(model, config)
-    muon = [g for g in groups if g.get("muon")]
-    assert groups[-len(muon):] == muon  # Muon's groups come last
+    optimizer = model.configure_optimizers(config, "cpu")
+    assert isinstance(optimizer, Chain) and isinstance(optimizer.optimizers[1], Muon)
+    muon = optimizer.optimizers[1].param_groups
     blocks = model.transformer.h
     qkv = [b.attn.c_attn.weight for b in blocks]
     others = [w for b in blocks for w in (b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight)]
@@ -76,7 +74,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
         3: [id(p) for p in qkv], 1: [id(p) for p in others]}
     for g in muon:
         assert g["lr_scale"] == config.muon_lr / config.max_lr and g["weight_decay"] == 0.0
-    adamw = [p for g in groups if not g.get("muon") for p in g["params"]]
+    adamw = [p for g in optimizer.optimizers[0].param_groups for p in g["params"]]
     assert {id(p) for p in adamw} == {id(p) for p in model.parameters()} - {id(p) for p in qkv + others}
     assert any(p is model.lm_head.weight for p in adamw)  # tied with wte
 
@@ -85,13 +83,12 @@ def test_owners_split_the_newton_schulz_work_evenly():
     """GPT-2 124M's 48 matrices (c_attn as three) over 8 ranks: each matrix on one rank, the
     largest rank's share of Newton-Schulz's work within 10% of the mean."""
     config = load_config(["--optimizer=muon"])
-    with torch.device("meta"):
-        groups = [g for g in optimizers.param_groups(GPT(config), config) if g.get("muon")]
-    muon = optimizers.Muon(groups, Replicas(0, 8), lr=0.02)
+    muon = meta_model(config).configure_optimizers(config, "meta").optimizers[1]
+    muon.choose_owners(8)
     load = [0] * 8
-    for group in groups:
+    for group in muon.param_groups:
         for p in group["params"]:
-            load[muon.owner[p]] += optimizers.Muon.flops(group["splits"], p.shape)
+            load[muon.owner[p]] += Muon.flops(group["splits"], p.shape)
     assert len(muon.owner) == 48 and max(load) < 1.1 * sum(load) / 8
 
 

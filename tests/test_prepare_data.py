@@ -9,10 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from gpt2_ddp import tokenizer
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
 import prepare_data
-from configurator import UserError
 from prepare_data import EOT_TOKEN, TINYSHAKESPEARE_PATH, gpt2_encoding, main
-from shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
 
 
 def read_shard(path):
@@ -84,11 +85,11 @@ def test_encoding_vocab_and_decode_round_trip():
 
 
 def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
-    data = bytearray(prepare_data.GPT2_RANKS_PATH.read_bytes())
+    data = bytearray(tokenizer.GPT2_RANKS_PATH.read_bytes())
     data[100] ^= 1
     tampered = tmp_path / "gpt2.tiktoken"
     tampered.write_bytes(data)
-    monkeypatch.setattr(prepare_data, "GPT2_RANKS_PATH", tampered)
+    monkeypatch.setattr(tokenizer, "GPT2_RANKS_PATH", tampered)
     gpt2_encoding.cache_clear()
     try:
         with pytest.raises(RuntimeError) as exc:
@@ -97,7 +98,7 @@ def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
         gpt2_encoding.cache_clear()
     message = str(exc.value)
     assert str(tampered) in message
-    assert prepare_data.GPT2_RANKS_SHA256 in message
+    assert tokenizer.GPT2_RANKS_SHA256 in message
     assert "git" in message
 
 

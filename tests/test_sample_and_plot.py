@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-import plot
 from conftest import ROOT
-from configurator import UserError
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.tokenizer import gpt2_encoding
+from scripts import plot
+from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
-from prepare_data import gpt2_encoding
-from sample import main as sample_main, sample
 
 
 def draw(model, seed, out=None, **kwargs):
@@ -42,7 +42,7 @@ def test_streamed_text_is_the_prompt_then_the_decoded_tokens(hf_tiny):
 
 
 def test_the_script_prints_what_the_function_draws(hf_tiny):
-    proc = subprocess.run([sys.executable, "scripts/sample.py", str(hf_tiny), "--prompt", "Hello, I'm",
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(hf_tiny), "--prompt", "Hello, I'm",
                            "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -56,7 +56,7 @@ def test_the_script_prints_what_the_function_draws(hf_tiny):
 
 
 def test_a_bad_source_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/sample.py", str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_*.pt) "

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
-import metrics
-import train_gpt2
 from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
-from shards import split_paths, write_shard
+from gpt2_ddp import metrics
+from gpt2_ddp.shards import split_paths, write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
+import train_gpt2
 
 
 # --- config -------------------------------------------------------------------------------------
@@ -74,7 +74,8 @@ def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
     read once, and the result is kept in out_dir keyed by size and mtime: a shard rewritten in
     place (same size and mtime) is not read again, one with a new mtime is."""
     import json
-    import shards
+
+    from gpt2_ddp import shards
     data = tmp_path / "data"
     make_shards(data)
     paths = sorted(data.glob("*.bin"))  # train 1, train 2, val

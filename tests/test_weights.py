@@ -12,10 +12,10 @@ import torch
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
-import export_hf
 from conftest import ROOT, make_shards, read_log, run_training, write_hellaswag
-from gpt2_weights import save_hf, tokenizer_files
-from prepare_data import gpt2_encoding
+from gpt2_ddp.gpt2_weights import save_hf, tokenizer_files
+from gpt2_ddp.tokenizer import gpt2_encoding
+from scripts import export_hf
 from train_gpt2 import GPT, Config, DataLoader, UserError, init_from, load_config
 
 TOLERANCE = 1e-5  # float32 logits of two implementations that sum in other orders
@@ -76,7 +76,7 @@ def test_a_run_with_init_from_and_hellaswag_loads_train_gpt2_once(hf_tiny, tmp_p
     assert "hellaswag acc_norm" in proc.stdout and "init_from" in proc.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
                 if line.startswith("import time:")]
-    assert {"gpt2_weights", "hellaswag", "memory_plan"} <= set(imported)
+    assert {"gpt2_ddp.gpt2_weights", "gpt2_ddp.hellaswag", "gpt2_ddp.memory_plan"} <= set(imported)
     assert "train_gpt2" not in imported
 
 
@@ -109,7 +109,7 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
                         f"--out_dir={out_dir}", "--max_steps=5"]).stdout
     assert "resumed from" in out and [s["step"] for s in read_log(out_dir)[0]] == list(range(1, 6))
 
-    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(out_dir), str(hf_dir)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.export_hf", str(out_dir), str(hf_dir)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     ours = GPT.from_pretrained(out_dir)

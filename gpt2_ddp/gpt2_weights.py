@@ -1,10 +1,11 @@
 """
 GPT-2 weights in and out, as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's released weights
 on the hub, or a local directory) into the layout of train_gpt2.py's GPT, and its state dicts out
-as Hugging Face directories that `transformers` loads offline, tokenizer included. The model
-itself is not needed here: train_gpt2.GPT.from_pretrained and init_from call these.
+as Hugging Face directories that `transformers` loads offline, tokenizer included; and the
+weights of our own checkpoints. The model itself is not needed here: train_gpt2.GPT.from_pretrained
+and init_from call these.
 
-    python scripts/export_hf.py out/shakespeare_cpu out/shakespeare_cpu_hf   # the command-line tool
+    python -m scripts.export_hf out/shakespeare_cpu out/shakespeare_cpu_hf   # the command-line tool
     --init_from=gpt2 (or gpt2-medium, gpt2-large, gpt2-xl, or a directory): train_gpt2.py's key
 
 The two layouts differ only in this: Hugging Face's GPT-2 keeps its matmul weights in Conv1D
@@ -19,15 +20,33 @@ from pathlib import Path
 
 import torch
 
-from atomic import new_file_mode
-from configurator import UserError
-from prepare_data import gpt2_encoding
+from gpt2_ddp import checkpoints
+from gpt2_ddp.atomic import new_file_mode
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.tokenizer import gpt2_encoding
 
 HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Hugging Face config field -> train_gpt2.Config field, for the model's shape
 SHAPE_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
               "n_positions": "block_size", "vocab_size": "vocab_size"}
+MODEL_KEYS = (*SHAPE_KEYS.values(), "bias")  # the Config keys that fix the model's shape
+
+
+def load_weights(source, weights=True):
+    """(shape, state) of `source`, a checkpoint file of train_gpt2.py (of any format version), an
+    out_dir (its newest ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps
+    MODEL_KEYS to its values, state is its model state dict (None without `weights`). Raises
+    UserError for a source that is none of these or cannot be read."""
+    path = checkpoints.resolve(source)
+    if path is None:
+        return load_hf(source, weights)
+    try:
+        ckpt = checkpoints.load(path)
+    except checkpoints.Unloadable as e:
+        raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
+                        f"ckpt_*.pt of its out_dir") from None
+    return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None
 
 
 def hf_dir(source):
@@ -60,11 +79,10 @@ def hf_dir(source):
 def load_hf(source, weights=True):
     """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir).
 
-    Returns (shape, state_dict): shape maps train_gpt2.MODEL_KEYS (n_layer, n_head, n_embd,
-    block_size, vocab_size, bias) to the checkpoint's values; state_dict is keyed and laid out as
-    GPT.state_dict(), float32, or None without `weights` (config.json alone is read). Raises
-    UserError for a checkpoint that is not GPT-2's architecture; the caller checks the tensors'
-    shapes against its model (check_state).
+    Returns (shape, state_dict): shape maps MODEL_KEYS to the checkpoint's values; state_dict is
+    keyed and laid out as GPT.state_dict(), float32, or None without `weights` (config.json alone
+    is read). Raises UserError for a checkpoint that is not GPT-2's architecture; the caller checks
+    the tensors' shapes against its model (state_mismatch).
     """
     from safetensors.torch import load_file
     path = hf_dir(source)
@@ -106,18 +124,17 @@ def load_hf(source, weights=True):
     return shape, state
 
 
-def check_state(state, expected, path):
-    """Raises UserError, naming `path`, unless `state` holds exactly the tensors of the state dict
-    `expected` (a model's, on the meta device, say), in their shapes."""
+def state_mismatch(state, expected):
+    """What keeps the state dict `state` from loading into a model whose state dict is `expected`
+    (on the meta device, say): the first missing and unexpected keys and wrong shapes, in one
+    line; "" when it loads."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
              if k in state and state[k].shape != v.shape]
-    if missing or unexpected or wrong:
-        problems = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}"
-                    if unexpected else "", f"shapes: {wrong[:2]}" if wrong else ""]
-        raise UserError(f"{path} does not hold the GPT-2 this run builds: "
-                        f"{'; '.join(p for p in problems if p)}")
+    problems = [f"missing {missing[:3]}" if missing else "",
+                f"unexpected {unexpected[:3]}" if unexpected else "", f"shapes: {wrong[:2]}" if wrong else ""]
+    return "; ".join(p for p in problems if p)
 
 
 def bytes_to_unicode():

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-import optimizers
-from atomic import atomic_write
-from collectives import agreed
-from configurator import UserError
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.collectives import agreed
+from gpt2_ddp.configurator import UserError
 
 
 def log(*args):
@@ -114,6 +113,13 @@ def peak_flops(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
+def state_bytes(optimizer):
+    """Bytes of optimizer state this rank holds (of a DTensor, its local shard)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t
+               for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def first_unlogged_step(log_path):
     """1 + the largest step of log.jsonl's records, 0 for none. Called after OutDir.start, which
     cut the records of the steps that this run logs again (and any damaged line): so the first
@@ -195,7 +201,7 @@ class Metrics:
         if self.device.type == "cuda":
             record["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if step == self.start_step + 1:
-            record["optimizer_state_bytes"] = optimizers.state_bytes(optimizer)  # rank 0's
+            record["optimizer_state_bytes"] = state_bytes(optimizer)  # rank 0's
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
         self.dt_avg = dt if step <= self.start_step + 2 else 0.9 * self.dt_avg + 0.1 * dt
         eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))

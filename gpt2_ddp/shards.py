@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from atomic import atomic_write
-from configurator import UserError
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.configurator import UserError
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -89,12 +89,13 @@ def shard_name(filename):
     return (match["dataset"], match["split"]) if match else None
 
 
-def split_paths(data_dir, split, dataset=""):
+def split_paths(data_dir, split, dataset="", required=False):
     """The shards of one split in data_dir (named as shard_name reads them), in name order: those
     of `dataset` (their name's prefix before _train or _val), or of the only dataset there.
 
     Raises UserError when data_dir holds the shards of several datasets and `dataset` is empty:
-    reading them all would mix two corpora without a word.
+    reading them all would mix two corpora without a word; and, if `required`, when there are
+    none, naming the command that makes them.
     """
     data_dir = Path(data_dir)
     named = {p: shard_name(p.name) for p in data_dir.glob("*.bin")}
@@ -105,7 +106,17 @@ def split_paths(data_dir, split, dataset=""):
             raise UserError(f"{data_dir} holds the shards of {len(names)} datasets "
                             f"({', '.join(names)}): pass --dataset=NAME to train on one, or move "
                             f"the others out")
-    return sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
+    paths = sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
+    if required and not paths:
+        makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
+                  "tinyshakespeare": "python prepare_data.py"}
+        maker = makers.get(data_dir.name, f"python prepare_data.py --input FILES --name {data_dir.name} "
+                           f"--output_dir {data_dir}")
+        name = dataset or "NAME"
+        raise UserError(f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) "
+                        f"in {data_dir}; make them with `{maker}`, or try the small CPU config: "
+                        f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
+    return paths
 
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
@@ -166,3 +177,14 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
         except OSError:
             pass  # only a cache: the next run reads the shards again
     return maxima
+
+
+def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max):
+    """Raises UserError, on every rank, for a shard of `paths` that holds a token id >= vocab_size
+    (another tokenizer's shards), before the first step rather than mid-run on the one rank that
+    reads it. The ids are max_token_ids' (the same arguments). A collective."""
+    for path, largest in zip(paths, max_token_ids(paths, cache_path, rank, world_size, reduce_max)):
+        if largest >= vocab_size:
+            raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size={vocab_size}: it "
+                            f"was made with another tokenizer; remake it with prepare_data.py or raise "
+                            f"vocab_size")

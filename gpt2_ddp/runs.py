@@ -13,9 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-from configurator import UserError
+from gpt2_ddp.configurator import UserError
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=None):

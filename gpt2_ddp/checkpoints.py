@@ -3,8 +3,8 @@ train_gpt2.py's out_dir: the lock that keeps one run in it, and checkpoints that
 atomically with a checksum, loaded newest first past damaged ones, and pruned without ever deleting
 the best one the user has.
 
-Nothing here is collective: train_gpt2.py calls these on rank 0 (or on every rank, to load) and
-makes the ranks agree on the outcome.
+train_gpt2.py calls open_out_dir() and load_newest() on every rank (they are collectives, which
+make the ranks agree on the outcome); the rest runs on rank 0, or on any rank alone.
 """
 
 import hashlib
@@ -14,18 +14,20 @@ import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from atomic import atomic_write
-from configurator import UserError
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.collectives import agreed, broadcast_object
+from gpt2_ddp.configurator import UserError
 
 try:
     import fcntl  # POSIX; where it is missing (Windows) out_dir is not locked
 except ImportError:
     fcntl = None
 
-# what every checkpoint holds, besides "sha256"; since 2026-11-24 also "evaluated": whether the
-# evaluations of its step ran before it
-KEYS = ("model", "optimizer", "config", "step", "loader")
+KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
+# the format save() writes; a resume refuses any other (train_gpt2.resume), init_from reads the weights
+VERSION = 2
 PATTERN = "ckpt_*.pt"
 
 
@@ -77,7 +79,7 @@ def lock(out_dir):
 
 def sha256(state):
     """Hex SHA-256 of a checkpoint's contents: every tensor's dtype, shape and bytes and every other
-    value's repr, in the dicts' order (which torch.save keeps). About 1.5 GB/s on one core."""
+    value's repr, in the dicts' order (which torch.save keeps)."""
     h = hashlib.sha256()
 
     def update(obj):
@@ -123,7 +125,8 @@ def to_cpu(obj):
 
 
 def save(path, state):
-    """Writes state (a dict of KEYS and "evaluated") and its sha256 to `path` atomically.
+    """Writes state (a dict of KEYS and "evaluated"), its format VERSION and its sha256 to `path`
+    atomically.
 
     Raises UserError, with nothing written, when a floating-point value of the state is not finite
     (a run that diverged: its checkpoint would be worth less than the last one), or when the write
@@ -137,7 +140,7 @@ def save(path, state):
         raise UserError(f"the weights or optimizer state hold non-finite values at step "
                         f"{state['step']}, so {path} was not saved and the last checkpoint is "
                         f"kept: the run diverged; lower --max_lr or --grad_clip and resume")
-    state = to_cpu(state)  # once, for the checksum and the write
+    state = {**to_cpu(state), "version": VERSION}  # on the CPU once, for the checksum and the write
     state["sha256"] = sha256(state)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
@@ -171,7 +174,7 @@ class Unloadable(Exception):
 
 def load(path):
     """The state that save() wrote, on the CPU (memory-mapped, so ranks on one node share the
-    pages), after checking its keys and checksum. Checkpoints from before checksums load unchecked.
+    pages), after checking its keys and checksum.
 
     Raises Unloadable with the reason in one line.
     """
@@ -179,11 +182,11 @@ def load(path):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch.load raises many kinds for a file cut short or not a zip
         raise Unloadable(f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}")
-    missing = [key for key in KEYS if key not in state] if isinstance(state, dict) else KEYS
+    missing = [key for key in (*KEYS, "sha256") if key not in state] if isinstance(state, dict) else KEYS
     if missing:
         raise Unloadable(f"not a train_gpt2.py checkpoint: no {', '.join(missing)}")
-    expected = state.pop("sha256", None)
-    if expected is not None and sha256(state) != expected:
+    expected = state.pop("sha256")
+    if sha256(state) != expected:
         raise Unloadable("its contents do not match its checksum: the file is corrupt")
     return state
 
@@ -277,15 +280,8 @@ class OutDir:
                     records.append((int(record["step"]), record))
                 except (ValueError, KeyError, TypeError):
                     continue  # cut by a kill, or damaged: it cannot be plotted either
-            # logs of before 2026-11-24 numbered the updates from 0 (only they have an update 0),
-            # and their checkpoints were saved before the evaluations of their step
-            old = any(step == 0 and "loss" in record for step, record in records)
-            if old:
-                records = [(step + ("loss" in record), record) for step, record in records]
-            last_evaluation = start_step - old
-            kept = [json.dumps({**record, "step": step}) + "\n" for step, record in records
-                    if resumed_from is not None
-                    and step <= (start_step if "loss" in record else last_evaluation)]
+            kept = [json.dumps(record) + "\n" for step, record in records
+                    if resumed_from is not None and step <= start_step]
             atomic_write(self.log_path, lambda f: f.write("".join(kept).encode()))
         except OSError as e:
             raise UserError(f"cannot write to out_dir {self.path}: {e.strerror}; pass a writable "
@@ -315,3 +311,39 @@ class OutDir:
             self.overwrite = None
         prune(self.path, keep, self.protected | {path})
         return path
+
+
+def open_out_dir(config):
+    """Rank 0's OutDir of config.out_dir (a second run on the same out_dir stops here), and the
+    checkpoints out_dir holds. Raises UserError, on every rank, when resume=never would overwrite
+    them without overwrite=true. A collective."""
+    out = agreed(lambda: OutDir(config.out_dir), master_only=True)
+    existing = sorted(Path(config.out_dir).glob(PATTERN))
+    if config.resume == "never" and existing and not config.overwrite:
+        raise UserError(f"{config.out_dir} has checkpoints and resume=never would overwrite them; "
+                        f"pass --resume=auto to continue, --overwrite=true to start over, or "
+                        f"another --out_dir")
+    return out, existing
+
+
+def load_newest(out_dir, warn):
+    """The newest checkpoint of out_dir that loads, as (path, state) on every rank, or (None, None)
+    when there is none: rank 0 chooses it (newest_loadable, which sets damaged newer ones aside),
+    the other ranks load the one it chose. Raises UserError, on every rank, when none loads or a
+    rank cannot read rank 0's. A collective."""
+    master_process = not dist.is_initialized() or dist.get_rank() == 0
+    found = agreed(lambda: newest_loadable(out_dir, warn), master_only=True)
+    path = broadcast_object(found[0] if master_process else None)
+    if path is None:
+        return None, None
+
+    def load_here():
+        if master_process:
+            return found[1]
+        try:
+            return load(path)
+        except Unloadable as e:
+            raise UserError(f"checkpoint {path} loads on rank 0 but not on this node ({e}): out_dir "
+                            f"must be a directory that every node sees") from None
+
+    return path, agreed(load_here)

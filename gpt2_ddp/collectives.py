@@ -1,19 +1,14 @@
 """
-The collectives that train_gpt2.py and its modules share beyond DDP's own: the names of two that
-moved between torch versions, and the ones that make every rank agree on a user's error, so that
-under torchrun all ranks stop with one line instead of waiting for a collective until the timeout.
-Each works in one process without a process group, too.
+The collectives that train_gpt2.py and its modules share beyond DDP's own: making every rank agree
+on a user's error, so that under torchrun all ranks stop with one line instead of waiting for a
+collective until the timeout, and handing small values around. Each works in one process without a
+process group, too.
 """
 
 import torch
 import torch.distributed as dist
 
-from configurator import UserError
-
-# torch 2.13 renamed these two collectives (from reduce_scatter_tensor and all_gather_into_tensor)
-# and deprecated the old names, the only ones before it: take whichever this torch has, unwarned
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from gpt2_ddp.configurator import UserError
 
 
 def agreed(fn, master_only=False):

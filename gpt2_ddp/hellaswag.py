@@ -5,10 +5,7 @@ do, so numbers compare with theirs: each candidate is the context's tokens follo
 of " " + ending, and its score is the model's cross-entropy on the ending tokens alone. acc_norm
 picks the candidate of lowest mean loss per token, acc the lowest sum.
 
-Score OpenAI's GPT-2 or a checkpoint on the validation split (10042 examples):
-    python hellaswag.py gpt2                   # 0.2955 acc_norm in build-nanogpt (gpt2-xl: 0.4893)
-    python hellaswag.py out/gpt2_124m          # the latest checkpoint of a run
-    python hellaswag.py out/gpt2_124m --examples 1000 --device cuda
+Score OpenAI's GPT-2 or a checkpoint on the validation split: `python -m scripts.hellaswag gpt2`.
 During training: --hellaswag_interval=250 in train_gpt2.py (on in configs/gpt2_124m.toml).
 
 The data is the official repository's jsonl (fields ctx, endings, label, ...), downloaded once to
@@ -25,15 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from atomic import atomic_write
-from collectives import agreed
-from prepare_data import gpt2_encoding
-import configurator
-from configurator import UserError
+from gpt2_ddp.atomic import atomic_write
+from gpt2_ddp.collectives import agreed
+from gpt2_ddp.configurator import UserError
+from gpt2_ddp.tokenizer import gpt2_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042
-GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, this scoring
 
 
 def download(path):
@@ -76,7 +71,7 @@ def load_examples(path, limit=0):
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"HellaSwag file {path} not found (hellaswag.py downloads it from {URL})")
+        raise UserError(f"HellaSwag file {path} not found (it is downloaded from {URL} when missing)")
     examples = []
     fix = f"delete {path} to download it again, or repair it"
     with open(path, "rb") as f:  # bytes: json.loads decodes each line, so bad UTF-8 names its line
@@ -192,31 +187,3 @@ def summary(result):
     """One line of an evaluate() result, for the console."""
     return (f"hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} | acc "
             f"{result['hellaswag_acc']:.4f} | {result['hellaswag_examples']} examples")
-
-
-def main(argv):
-    parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("source", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face "
-                        "GPT-2 directory, a train_gpt2.py checkpoint file, or an out_dir (its latest)")
-    parser.add_argument("--path", default="data/hellaswag/hellaswag_val.jsonl",
-                        help="the validation jsonl; downloaded there when missing")
-    parser.add_argument("--examples", type=int, default=0, help="score the first N (0: all)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    if args.examples < 0:
-        parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")
-    from train_gpt2 import GPT  # the model, here: train_gpt2.py imports this module
-    if not Path(args.path).exists():
-        download(args.path)
-    examples = load_examples(args.path, args.examples)
-    model = GPT.from_pretrained(args.source, args.device)
-    torch.set_float32_matmul_precision("high")  # TF32, as build-nanogpt scored GPT-2
-    examples = render_all(examples, model.config.block_size, model.config.vocab_size)
-    result = evaluate(model, examples, torch.device(args.device))
-    print(f"{args.source}: {summary(result)}")
-    if args.source in GPT2_ACC_NORM:
-        print(f"build-nanogpt reports acc_norm {GPT2_ACC_NORM[args.source]} for {args.source}")
-
-
-if __name__ == "__main__":
-    configurator.run(main, "hellaswag.py")

@@ -1,0 +1,382 @@
+"""
+Swap-ins for DDP, made by one call, wrap(): ZeRO-2 (sharding=zero2), FSDP2 (sharding=fsdp), and
+DDP with its gradients summed in float64 (exact_reduction). train_gpt2.py builds the default,
+`DDP(model)` and torch.optim.AdamW, itself; a swap-in takes that model and optimizer and returns
+two objects that present what the loop uses of them, as picotron's data_parallel wrappers do:
+
+    model      forward; require_backward_grad_sync, set before each micro-step's forward as DDP's
+               flag is (the backward after it syncs the gradients, or leaves them to accumulate);
+               no_sync(); clip_grad_norm_(parameters, max_norm), torch.nn.utils.clip_grad_norm_'s
+               signature, which clips the synced gradient and returns its norm; .module
+    optimizer  param_groups (where the schedule sets lr), zero_grad(), step(), and state_dict() /
+               load_state_dict() of the whole, unsharded state, in torch.optim's format, so that a
+               checkpoint resumes in any mode at any world size
+
+The model passed in is the GPT itself, its parameters those of the optimizer. Every swap-in keeps
+torch.optim's element-wise arithmetic; only where gradients are summed, and who updates what,
+differs. Their own gradient norm (clip_grad_norm) is used where torch's cannot give the right one:
+flat ZeRO-2 slices, and float64 sums that must come out the same at every world size.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# torch 2.13 renamed these two collectives and deprecated the old names, the only ones before it
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wrap(model, optimizer, config, device):
+    """(model, optimizer) of config's swap-in for DDP(model) and `optimizer`: ZeRO2 for
+    sharding=zero2, FSDP for fsdp, ExactDDP for ddp with exact_reduction. zero2 and fsdp need a
+    process group, of one process too."""
+    if config.sharding == "zero2":
+        zero2 = ZeRO2(model, config)
+        return zero2, ZeRO2Optimizer(optimizer, zero2)
+    if config.sharding == "fsdp":
+        names = {p: name for name, p in model.named_parameters()}  # fully_shard replaces them
+        fsdp = FSDP(model, config, device)
+        return fsdp, FSDPOptimizer(optimizer, names, fsdp.sharded)
+    return ExactDDP(model, config, device), optimizer
+
+
+def clip_grad_norm(grads, max_norm, sharded):
+    """Scales grads in place so that their total 2-norm is at most max_norm, as
+    torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), at most 1); returns
+    the norm before clipping, a float32 scalar tensor. The squares are summed in float64, and over
+    ranks when the grads are `sharded` (this rank's part of the gradient), so the norm is the same
+    however the gradient is split into tensors, slices and ranks."""
+    dtype = torch.float32 if grads[0].device.type == "mps" else torch.float64  # MPS lacks float64
+    norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in grads]).pow(2).sum()
+    if sharded:
+        dist.all_reduce(norm_sq)
+    norm = norm_sq.sqrt().float()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+class DataParallel(nn.Module):
+    """DDP's interface for a swap-in (see the module docstring); forward runs `module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """The backwards inside leave their gradients to accumulate, as DDP's no_sync()."""
+        sync, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = sync
+
+
+# -----------------------------------------------------------------------------
+# exact_reduction: the gradients summed in float64, the same bits at every world size
+
+
+class ExactDDP(DataParallel):
+    """DDP (or one process without it) whose gradients are summed in float64: a
+    post-accumulate-grad hook adds each micro-step's gradient to a float64 sum; on the syncing
+    micro-step, DDP's comm hook sums those over ranks in float64 and casts to float32 once. Float32
+    values summed in float64 are exact, or round to the same float32 in any order, so every world
+    size gets the same bits. The loop divides the loss by every micro-batch of the step, not by
+    this rank's alone, since the sum over ranks is not averaged."""
+
+    def __init__(self, model, config, device):
+        super().__init__(torch.compile(model) if config.compile and not config.compile_ddp else model)
+        self.grads64 = {}  # parameter -> float64 sum of this step's earlier micro-steps
+        self.ddp = None
+        if dist.is_initialized():
+            self.ddp = DDP(self.module, device_ids=[device] if device.type == "cuda" else None,
+                           bucket_cap_mb=config.bucket_cap_mb,
+                           gradient_as_bucket_view=config.gradient_as_bucket_view)
+            self.ddp.register_comm_hook(None, self.all_reduce_float64)
+            self.module = self.ddp
+        if config.compile and config.compile_ddp:
+            self.module = torch.compile(self.module)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.accumulate_float64)
+
+    def forward(self, *args, **kwargs):
+        if self.ddp is not None:  # DDP reads its flag in the forward as well as the backward
+            self.ddp.require_backward_grad_sync = self.require_backward_grad_sync
+        return self.module(*args, **kwargs)
+
+    def accumulate_float64(self, p):
+        """Adds p.grad to the step's float64 sum. On the syncing micro-step DDP's comm hook takes
+        the sum over; one process without DDP casts it to p.grad here."""
+        sync = self.require_backward_grad_sync
+        if sync and self.ddp is not None:
+            return
+        grad = self.grads64.pop(p, 0) + p.grad.double()
+        if sync:
+            p.grad = grad.float()
+        else:
+            self.grads64[p], p.grad = grad, None
+
+    def all_reduce_float64(self, _, bucket):
+        """DDP's comm hook: the bucket's gradients plus their float64 sums of the earlier
+        micro-steps, summed over ranks in float64, cast to float32 once."""
+        flat = torch.cat([(self.grads64.pop(p, 0) + g.double()).view(-1)
+                          for p, g in zip(bucket.parameters(), bucket.gradients())])
+        work = dist.all_reduce(flat, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0].float())
+
+    def clip_grad_norm_(self, parameters, max_norm):
+        """torch.nn.utils.clip_grad_norm_, with the squares summed in float64 (clip_grad_norm)."""
+        return clip_grad_norm([p.grad for p in parameters if p.grad is not None], max_norm,
+                              sharded=False)
+
+
+# -----------------------------------------------------------------------------
+# ZeRO-2: whole weights and gradients, optimizer state and update sharded by flat slices
+
+
+class ZeRO2(DataParallel):
+    """ZeRO stage 2 (Rajbhandari et al. 2020), in the design of "A Thousand Ways to Write ZeRO-2"
+    (modded-nanogpt's DistAdam). Each parameter is flattened and zero-padded to a multiple of
+    world_size; rank r owns slice r of it, `shards[p]`, which the optimizer updates
+    (ZeRO2Optimizer). No DDP: unsynced micro-steps accumulate p.grad locally. On the syncing one,
+    a post-accumulate-grad hook launches an asynchronous reduce-scatter of each gradient as soon as
+    autograd has finished it, so communication overlaps the rest of the backward. With
+    exact_reduction the micro-steps' gradients are summed in float64 and reduce-scattered as
+    float64 sums (as ExactDDP), then cast to float32 once."""
+
+    def __init__(self, model, config):
+        super().__init__(torch.compile(model) if config.compile else model)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.exact = config.exact_reduction
+        self.shards = {}  # parameter -> this rank's slice of it
+        for p in model.parameters():
+            self.shards[p] = self.shard_of(p.detach()).clone()
+            self.shards[p].whole_shape = p.shape  # for Muon, which orthogonalizes whole matrices
+            p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
+        self.grads64 = {}  # exact: parameter -> float64 sum of this step's earlier micro-steps
+        self.pending = []  # (parameter, reduced slice, work), in the order the backward ran
+
+    def padded(self, t):
+        """t flattened and zero-padded to a multiple of world_size elements."""
+        flat = t.reshape(-1)
+        return F.pad(flat, (0, -flat.numel() % self.world_size))
+
+    def shard_of(self, t):
+        flat = self.padded(t)
+        n = flat.numel() // self.world_size
+        return flat[self.rank * n:(self.rank + 1) * n]
+
+    def gather(self, shard, like):
+        """Launches the all-gather of every rank's `shard` of a tensor shaped as `like`; returns
+        the work and the whole tensor, which holds the result once the work is waited on."""
+        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        work = all_gather_single(full, shard, async_op=True)
+        return work, full[:like.numel()].view_as(like)
+
+    def reduce_scatter_grad(self, p):
+        sync = self.require_backward_grad_sync
+        if self.exact:
+            grad = self.grads64.pop(p, 0) + p.grad.double()
+            if not sync:
+                self.grads64[p], p.grad = grad, None
+                return
+        elif not sync:
+            return
+        else:
+            grad = p.grad / self.world_size  # divide before summing, as DDP does, to round alike
+        reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
+        work = reduce_scatter_single(reduced, self.padded(grad), async_op=True)
+        self.pending.append((p, reduced, work))
+
+    def clip_grad_norm_(self, parameters, max_norm):
+        """Waits for the reduce-scatters of the gradients of `parameters` and clips their slices by
+        the whole gradient's norm, which it returns."""
+        for p, reduced, work in self.pending:  # in backward order: the earliest launched finish first
+            work.wait()
+            self.shards[p].grad = reduced.float()
+            p.grad = None  # the whole gradient is no longer needed: ZeRO-2's memory saving
+        self.pending = []
+        return clip_grad_norm([self.shards[p].grad for p in parameters], max_norm, sharded=True)
+
+
+class OptimizerOfViews:
+    """torch.optim's interface for `optimizer`, whose groups now hold other views of `params`
+    (the parameters it was built over, in its groups' order)."""
+
+    def __init__(self, optimizer, params):
+        self.optimizer, self.params = optimizer, params
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self):
+        self.optimizer.step()
+
+
+class ZeRO2Optimizer(OptimizerOfViews):
+    """`optimizer` moved onto ZeRO2's slices: its groups hold each parameter's slice instead, so
+    its state is 1/world_size of ddp's. step() updates the slices (element-wise, the arithmetic of
+    ddp mode) and all-gathers them into every rank's whole parameters. state_dict() and
+    load_state_dict() are collectives, in the inner optimizer's format with each state tensor
+    shaped as its parameter. Load the weights first: the slices are taken from them."""
+
+    def __init__(self, optimizer, zero2):
+        super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
+        self.zero2 = zero2
+        for group in optimizer.param_groups:
+            group["params"] = [zero2.shards[p] for p in group["params"]]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self):
+        self.optimizer.step()
+        gathers = [(p, *self.zero2.gather(self.zero2.shards[p], p)) for p in self.params]
+        with torch.no_grad():
+            for p, work, full in gathers:
+                work.wait()
+                p.copy_(full)
+
+    def state_dict(self):
+        inner = self.optimizer.state_dict()
+        state = {i: {key: self.gather_whole(value, self.params[i]) for key, value in s.items()}
+                 for i, s in inner["state"].items()}
+        return {"state": state, "param_groups": inner["param_groups"]}
+
+    def gather_whole(self, value, p):
+        """A state entry of p's slice, all-gathered into p's shape if it is per-element; a scalar
+        (AdamW's step) as it is."""
+        if not torch.is_tensor(value) or value.dim() == 0:
+            return value
+        work, full = self.zero2.gather(value, p)
+        work.wait()
+        return full.clone()  # without the padding
+
+    def load_state_dict(self, full_state):
+        with torch.no_grad():
+            for p in self.params:
+                self.zero2.shards[p].copy_(self.zero2.shard_of(p))
+        state = {i: {key: self.zero2.shard_of(value).clone() if torch.is_tensor(value) and value.dim()
+                     else value for key, value in s.items()} for i, s in full_state["state"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
+
+
+# -----------------------------------------------------------------------------
+# FSDP2: parameters, gradients and optimizer state sharded
+
+
+class FSDP(DataParallel):
+    """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe,
+    ln_f), with bf16 parameters on CUDA: each group's weights are all-gathered just before its
+    forward and backward, its gradients reduce-scattered after. The parameters become DTensors,
+    each rank holding whole rows of dim 0. With exact_reduction FSDP accumulates the unsynced
+    micro-steps' gradients in its reduce dtype, float64, and reduce-scatters sums.
+
+    The model's state_dict() gives whole tensors (on rank 0, on the CPU: the others keep none, as
+    torch.distributed.checkpoint's full state dict does) and load_state_dict() takes them, so a
+    checkpoint is the one ddp writes."""
+
+    def __init__(self, model, config, device):
+        # imported here: FSDP2 adds to every process's start-up, and only this mode uses it
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        exact = config.exact_reduction
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                         reduce_dtype=torch.float64 if exact else torch.float32)
+        for module in [*model.transformer.h, model]:
+            fully_shard(module, mp_policy=mp_policy)
+            if exact:
+                module.set_gradient_divide_factor(1.0)  # the loss is divided by all micro-batches
+            elif device.type == "cpu":
+                # torch 2.8's gloo returned the sum for ReduceOp.AVG; FSDP's sum-then-divide is
+                # the mean on every version
+                module.set_force_sum_reduction_for_comms(True)
+        model.register_state_dict_post_hook(gather_whole_tensors)
+        model.register_load_state_dict_pre_hook(shard_whole_tensors)
+        super().__init__(torch.compile(model) if config.compile else model)
+        self.sharded, self.exact = model, exact
+
+    def forward(self, *args, **kwargs):
+        self.sharded.set_requires_gradient_sync(self.require_backward_grad_sync)
+        return self.module(*args, **kwargs)
+
+    def clip_grad_norm_(self, parameters, max_norm):
+        """torch.nn.utils.clip_grad_norm_ of the DTensors; with exact_reduction, clip_grad_norm of
+        their local shards."""
+        parameters = list(parameters)
+        if self.exact:
+            grads = [p.grad.to_local() for p in parameters if p.grad is not None]
+            return clip_grad_norm(grads, max_norm, sharded=True)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def gather_whole_tensors(module, state_dict, prefix, local_metadata):
+    """FSDP's state_dict post-hook: each DTensor all-gathered into a whole tensor, kept on rank 0
+    alone, on the CPU. A collective."""
+    for key, value in list(state_dict.items()):
+        if hasattr(value, "full_tensor"):
+            whole = value.full_tensor()
+            if dist.get_rank() == 0:
+                state_dict[key] = whole.cpu()
+            else:
+                del state_dict[key]
+
+
+def shard_whole_tensors(module, state_dict, prefix, *args):
+    """FSDP's load_state_dict pre-hook: each whole tensor cut into this rank's shard of the
+    DTensor parameter it loads into."""
+    for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        value = state_dict.get(name)
+        if hasattr(p, "device_mesh") and value is not None and not hasattr(value, "device_mesh"):
+            state_dict[name] = shard_like(value, p)
+
+
+def shard_like(value, p):
+    """A whole tensor as the DTensor shard of it that this rank holds of p."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(p.device, p.dtype), p.device_mesh, p.placements)
+
+
+class FSDPOptimizer(OptimizerOfViews):
+    """`optimizer`, built over the GPT's parameters before fully_shard, moved onto the DTensors
+    that replaced them (`names` maps each old parameter to its name in `sharded`, the model).
+    state_dict() and load_state_dict() give and take whole tensors in torch.optim's format
+    (state_dict on rank 0 alone, as the model's); both are collectives."""
+
+    def __init__(self, optimizer, names, sharded):
+        by_name = dict(sharded.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [by_name[names[p]] for p in group["params"]]
+        super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
+
+    def state_dict(self):
+        inner = self.optimizer.state_dict()
+        state = {i: {key: value.full_tensor() if hasattr(value, "full_tensor") else value
+                     for key, value in s.items()} for i, s in inner["state"].items()}
+        master = dist.get_rank() == 0
+        return {"state": {i: {key: value.cpu() for key, value in s.items()} for i, s in state.items()}
+                if master else {}, "param_groups": inner["param_groups"]}
+
+    def load_state_dict(self, full_state):
+        state = {i: {key: shard_like(value, self.params[i]) if torch.is_tensor(value) and value.dim()
+                     else value for key, value in s.items()} for i, s in full_state["state"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})

@@ -1,0 +1,110 @@
+"""
+Memory per rank before anything runs: parameters, gradients, optimizer state and activations, by
+sharding mode, for a config, a world size and a device; and the largest micro-batch that fits.
+train_gpt2.py prints the plan's total before its first step; `python -m scripts.memory_plan` prints
+the table and what fits.
+
+The parameters and the optimizer's state are counted on the model and optimizer that training
+builds, made on the meta device (count()), so another position encoding or optimizer is counted as
+it is. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations,
+that is 16 tensors of s*b*h elements plus two 1-byte dropout masks, without the 5*a*s^2*b of the
+attention matrix, which flash attention does not store. Here the two LayerNorm inputs are the
+float32 residual stream (autocast keeps it in float32): 14 tensors at the activation width (2 bytes
+under CUDA's bf16 autocast, 4 on CPU) and 2 at 4 bytes. scripts/memory_plan.py --measure checks
+the plan against a real CPU step.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+
+GB = 2**30
+
+
+def count(model, optimizer):
+    """What the plan needs of a GPT and its optimizer, both on the meta device: the parameters'
+    number and bytes, the optimizer state's bytes (after one step, which allocates it), and the
+    numbers of elements in the matmul weights (the bf16 copies autocast makes), in the parameters
+    outside the blocks, and in one block (FSDP gathers the root and two blocks at a time)."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    in_blocks = sum(p.numel() for p in model.transformer.h.parameters())
+    return {"params": sum(p.numel() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+            "matmul": sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
+            "root": sum(p.numel() for p in params) - in_blocks,
+            "block": sum(p.numel() for p in model.transformer.h[0].parameters())}
+
+
+def extra_copies(config, world_size):
+    """Copies of (the parameters, the gradients) a sharding mode keeps besides them, in units of
+    the whole model: zero2's slices of both; DDP's buckets hold a copy of the gradients unless
+    gradient_as_bucket_view makes them the gradients' storage."""
+    if config.sharding == "zero2":
+        return 1 / world_size, 1 / world_size
+    if config.sharding == "ddp":
+        return 0, int(world_size > 1 and not config.gradient_as_bucket_view)
+    return 0, 0
+
+
+def plan(config, world_size, device_type, counts):
+    """Bytes per rank, by part, of a training step of `config` on `world_size` ranks of
+    `device_type` ("cuda": bf16 autocast; anything else: float32), `counts` from count(). Returns
+    {part: bytes} whose last entry, "total", is their sum. With W = world_size:
+      parameters: fsdp shards them (/W); zero2 adds its slices; on CUDA the bf16 copies that
+        autocast (ddp, zero2) or FSDP's all-gathers (the root and two blocks) keep for the backward;
+      gradients: as the parameters (fsdp /W), with ddp's buckets or zero2's slices (extra_copies);
+        exact_reduction's float64 sums twice that (fsdp /W);
+      optimizer state: the optimizer's own, divided by W in zero2 and fsdp;
+      activations: saved for the backward of one micro-batch (see the module docstring);
+      logits: the (B, T, vocab) tensors alive at once around the loss.
+    """
+    W, P = world_size, counts["param_bytes"]
+    s, b, h = config.seq_len, config.micro_batch_size, config.n_embd
+    cuda = device_type == "cuda"
+    e = 2 if cuda else 4  # bytes per activation element
+    fsdp = config.sharding == "fsdp"
+    shard = W if fsdp else 1
+    param_copies, grad_copies = extra_copies(config, W)
+    parts = {"parameters": P / shard + P * param_copies}
+    if cuda:
+        parts["parameters"] += 2 * (counts["root"] + 2 * counts["block"] if fsdp else counts["matmul"])
+    parts["gradients"] = P / shard + P * grad_copies + (2 * P / shard if config.exact_reduction else 0)
+    parts["optimizer state"] = counts["optimizer_bytes"] / (1 if config.sharding == "ddp" else W)
+    sbh = s * b * h
+    masks = 2 if config.dropout > 0 else 0
+    layer = sbh * (14 * e + 2 * 4 + masks)
+    if config.activation_checkpointing:  # the blocks' float32 inputs, and one block recomputed
+        blocks = config.n_layer * 4 * sbh + layer
+    else:
+        blocks = config.n_layer * layer
+    parts["activations"] = blocks + sbh * (4 + e + (1 if config.dropout > 0 else 0))  # ln_f, drop
+    parts["logits"] = s * b * config.vocab_size * ((e + 4 + 4) if cuda else 8)  # (bf16,) float32, log-softmax
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def max_micro_batch(config, world_size, device_type, counts, memory_bytes, usable=0.9):
+    """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is
+    left to the CUDA context, the allocator's fragmentation and the kernels' workspaces); 0 if
+    not even one sequence fits."""
+    one = plan(dataclasses.replace(config, micro_batch_size=1), world_size, device_type, counts)
+    per_sequence = one["activations"] + one["logits"]
+    room = usable * memory_bytes - (one["total"] - per_sequence)
+    return max(0, int(room // per_sequence))
+
+
+def summary(config, world_size, device_type, counts):
+    """One line for train_gpt2.py's console: the plan's parts and total, in GB (MB under 1 GB)."""
+    parts = plan(config, world_size, device_type, counts)
+    unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
+    sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
+    return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, "
+            f"{config.sharding}, activation checkpointing "
+            f"{'on' if config.activation_checkpointing else 'off'})")

@@ -1,31 +1,35 @@
 """
 Checks the single-device promise on your machine: trains one config at several world sizes and
-prints how far each run's per-step losses and final weights are from the one-process run.
+prints how far each run's per-step losses and final weights are from the one-process run. With
+--python, it also trains under other interpreters (venvs holding other torch versions) and checks
+that each trains the same model as this one at every world size.
 
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20 --exact_reduction=true
     python -m scripts.check_equivalence configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
+    python -m scripts.check_equivalence configs/shakespeare_cpu.toml --world_sizes 2 --python venv-2.8/bin/python
 
-Arguments other than --world_sizes and --out_dir go to train_gpt2.py. The config's
-total_batch_size must be divisible by micro_batch_size * seq_len * world_size for each world size.
-World size 1 runs as `python train_gpt2.py`, the others as `torchrun --standalone
---nproc_per_node=N train_gpt2.py`, all with --resume=never --overwrite=true. Each run's steps show on
-stderr as it trains; the table goes to stdout.
+Arguments other than the options below go to train_gpt2.py. The config's total_batch_size must be
+divisible by micro_batch_size * seq_len * world_size for each world size. World size 1 runs as
+`python train_gpt2.py`, the others under torchrun, all with --resume=never --overwrite=true. Each
+run's steps show on stderr as it trains; the tables go to stdout. With --python it exits 1 when a
+loss or gradient norm differs from this interpreter's by more than --tolerance.
 """
 
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from gpt2_ddp import configurator, runs
+from gpt2_ddp.configurator import UserError
 
 
 def train(world_size, train_args, out_dir, python=sys.executable, label=None):
-    """Runs train_gpt2.py at `world_size` into out_dir with the `python` interpreter (and its
-    torch), showing its progress on stderr after `label` (default: "world size N"; runs.train);
-    returns (train records, eval records, HellaSwag records, final model state dict).
-    Raises UserError with the run's output if it fails."""
+    """Runs train_gpt2.py at `world_size` into out_dir under the interpreter `python`, its progress
+    on stderr after `label` (default "world size N"); returns (train records, eval records,
+    HellaSwag records, final model state dict). Raises UserError with the output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
                world_size, python=python, progress=label or f"world size {world_size}")
     checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
@@ -33,27 +37,26 @@ def train(world_size, train_args, out_dir, python=sys.executable, label=None):
     return (*runs.split_records(runs.read_log(out_dir)), model)
 
 
-def compare(train_args, world_sizes, out_root):
+def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
     """Trains at each world size; returns {world_size: {"step", "loss", "grad_norm", "val_loss",
-    "hellaswag", "max_param_diff"}}: the steps (from 1) with their losses and gradient norms
-    (before clipping) as lists, the HellaSwag results as (acc_norm, acc, examples) per evaluation
-    (none unless hellaswag_interval is set), and the largest absolute weight difference to world
-    size 1."""
-    trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}") for n in world_sizes}
+    "hellaswag", "model", "max_param_diff"}}: the steps (from 1) with their losses and gradient
+    norms (before clipping), the HellaSwag results as (acc_norm, acc, examples) per evaluation,
+    the final state dict, and its largest absolute weight difference to the first world size's."""
+    trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}", python,
+                        f"{label}world size {n}") for n in world_sizes}
     ref_model = trained[world_sizes[0]][-1]
-    results = {}
-    for n, (steps, evals, hellaswag, model) in trained.items():
-        results[n] = {
-            "step": [r["step"] for r in steps],
-            "loss": [r["loss"] for r in steps],
-            "grad_norm": [r["grad_norm"] for r in steps],
-            "val_loss": [r["val_loss"] for r in evals],
-            "hellaswag": [(r["hellaswag_acc_norm"], r["hellaswag_acc"], r["hellaswag_examples"])
-                          for r in hellaswag],
-            "max_param_diff": max((model[k].float() - ref_model[k].float()).abs().max().item()
-                                  for k in ref_model),
-        }
-    return results
+    return {n: {"step": [r["step"] for r in steps], "loss": [r["loss"] for r in steps],
+                "grad_norm": [r["grad_norm"] for r in steps],
+                "val_loss": [r["val_loss"] for r in evals],
+                "hellaswag": [(r["hellaswag_acc_norm"], r["hellaswag_acc"], r["hellaswag_examples"])
+                              for r in hellaswag],
+                "model": model, "max_param_diff": max_diff(model, ref_model)}
+            for n, (steps, evals, hellaswag, model) in trained.items()}
+
+
+def max_diff(model, reference):
+    """The largest absolute difference between two state dicts' tensors."""
+    return max((model[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
 
 def print_table(results):
@@ -83,17 +86,65 @@ def print_table(results):
               "--exact_reduction=true sums in float64 and makes the runs bitwise identical")
 
 
+def torch_version(python):
+    """The torch version of the interpreter `python`. Raises UserError if it cannot be run or
+    cannot import torch."""
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                              capture_output=True, text=True)
+    except OSError as e:
+        raise UserError(f"cannot run --python {python}: {e.strerror}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{python} cannot import torch ({last}): install torch and "
+                        f"requirements.txt into it")
+    return proc.stdout.strip()
+
+
+def compare_pythons(pythons, results, train_args, world_sizes, out_root):
+    """Trains under each other interpreter and prints, per world size, the largest differences of
+    its losses, gradient norms, val losses and weights to this interpreter's `results`; returns
+    the largest loss or gradient norm difference."""
+    worst = 0.0
+    for python in pythons:
+        version = torch_version(python)
+        other = compare(train_args, world_sizes, Path(out_root) / f"torch-{version}", python,
+                        f"torch {version}, ")
+        for n in world_sizes:
+            diffs = [max((abs(a - b) for a, b in zip(other[n][key], results[n][key])), default=0.0)
+                     for key in ("loss", "grad_norm", "val_loss")]
+            diffs.append(max_diff(other[n]["model"], results[n]["model"]))
+            worst = max(worst, *diffs[:2])
+            print(f"torch {version}, world size {n}: max |diff| of loss {diffs[0]:.2e}, grad norm "
+                  f"{diffs[1]:.2e}, val loss {diffs[2]:.2e}, weights {diffs[3]:.2e}"
+                  + (" (bitwise)" if not any(diffs) else ""), flush=True)
+    return worst
+
+
 def main(argv):
     parser = configurator.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world_sizes N ...] [--out_dir DIR]")
+        usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world_sizes N ...] [--python PYTHON] "
+              "[--out_dir DIR]")
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--python", action="append", default=[],
+                        help="another interpreter (a venv's bin/python) whose torch to check")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="with --python: the largest loss or gradient norm difference allowed")
     parser.add_argument("--out_dir", default="out/check_equivalence")
     args, train_args = parser.parse_known_args(argv)
     if min(args.world_sizes) < 1:
         parser.error("--world_sizes must be >= 1")
+    if args.python:  # before any run: a bad interpreter is one line, not minutes later
+        for python in args.python:
+            torch_version(python)
     results = compare(train_args, args.world_sizes, args.out_dir)
     print_table(results)
+    if args.python:
+        worst = compare_pythons(args.python, results, train_args, args.world_sizes, args.out_dir)
+        print(f"largest loss or grad norm difference to torch {torch.__version__}: {worst:.2e}, "
+              f"{'within' if worst <= args.tolerance else 'OVER'} the tolerance {args.tolerance:.0e}")
+        return 0 if worst <= args.tolerance else 1
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ import train_gpt2
 
 SCRIPTS = ["prepare_data", *(f"scripts.{name}" for name in (
     "hellaswag", "memory_plan", "bench", "bench_loader", "bench_sample", "bench_tokenizer",
-    "check_equivalence", "check_torch_versions", "export_hf", "plot", "sample", "timeline",
-    "gpu_check"))]
+    "check_equivalence", "export_hf", "plot", "sample", "timeline", "gpu_check"))]
 
 
 def test_hyphen_spellings_parse_as_the_underscore_options():
@@ -122,8 +121,6 @@ def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
 
 @pytest.mark.parametrize("name, argv, message", [
     ("scripts.check_equivalence", ["--world_sizes", "1", "0"], "--world_sizes must be >= 1"),
-    ("scripts.check_torch_versions", ["--python", "python", "--world_size=0"],
-     "--world_size must be >= 1"),
     ("scripts.bench", ["--nproc", "0"], "--nproc and --steps must be >= 1"),
 ])
 def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, capsys):

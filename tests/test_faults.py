@@ -515,3 +515,52 @@ def test_a_filesystem_without_flock_gets_a_warning_not_a_traceback(tmp_path, mon
     monkeypatch.setattr(fcntl, "flock", no_locks)
     checkpoints.lock(tmp_path / "out").close()
     assert f"warning: cannot lock out_dir {tmp_path / 'out'} (No locks available)" in capsys.readouterr().out
+
+
+def rewrite_checkpoint(path, change):
+    """Saves the checkpoint at `path` again, as checkpoints.save writes it (checksum and format
+    version), after change(state) has edited its state in place."""
+    from gpt2_ddp import checkpoints
+    state = checkpoints.load(path)
+    state.pop("version")
+    change(state)
+    checkpoints.save(path, state)
+
+
+def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weights(good_run, tmp_path):
+    """A checkpoint without this format's version is refused in one line that names --init_from,
+    before anything loads; --init_from of its out_dir starts a new run from its weights."""
+    from gpt2_ddp import checkpoints
+    out, _ = copy_run(good_run, tmp_path)
+    for path in out.glob("ckpt_*.pt"):
+        state = torch.load(path, weights_only=True)  # read whole: the file is rewritten below
+        del state["version"], state["sha256"]
+        state["sha256"] = checkpoints.sha256(state)
+        torch.save(state, path)
+    err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
+                      "--max_steps=6")
+    assert err == (f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of an older format "
+                   f"than this train_gpt2.py resumes (version 2): start a new run from its weights "
+                   f"with --out_dir=NEW_DIR --init_from={out}\n")
+    new = tmp_path / "new"
+    stdout = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={new}",
+                           f"--init_from={out}", "--max_steps=1", "--max_lr=0", "--min_lr=0"]).stdout
+    assert f"init_from {out}: 2 layers" in stdout
+    old = torch.load(out / "ckpt_0000004.pt", weights_only=True)["model"]
+    assert all(torch.equal(v, old[k]) for k, v in checkpoints.load(new / "ckpt_0000001.pt")["model"].items())
+
+
+def test_a_checkpoint_of_another_architecture_is_one_line_naming_its_keys(good_run, tmp_path):
+    """A model whose state keys or shapes differ from the checkpoint's without a config key to
+    say so (a fork that swapped learned positions for RoPE, say) is refused in one line naming
+    the keys, before anything loads."""
+    out, _ = copy_run(good_run, tmp_path)
+
+    def drop_positions(state):
+        state["model"]["transformer.rope.freqs"] = state["model"].pop("transformer.wpe.weight")
+    rewrite_checkpoint(out / "ckpt_0000004.pt", drop_positions)
+    err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
+                      "--max_steps=6")
+    assert err.startswith(f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of another "
+                          f"model: missing ['transformer.wpe.weight']; unexpected "
+                          f"['transformer.rope.freqs']; to train this model") and err.count("\n") == 1

@@ -156,3 +156,56 @@ def test_activation_checkpointing_changes_no_number(mode, world_size, equiv_runs
     final = sorted(reference_dir.glob("ckpt_*.pt"))[-1].name
     assert_same_tensors(torch.load(tmp_path / f"world_size_{world_size}" / final, weights_only=True)["model"],
                         torch.load(reference_dir / final, weights_only=True)["model"])
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("sharding, exact", [("ddp", True), ("zero2", False), ("zero2", True),
+                                             ("fsdp", False), ("fsdp", True)])
+def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
+    """data_parallel.wrap's model and optimizer, in a process group of one: a backward inside
+    no_sync() leaves its gradient to accumulate, the synced one after it adds it in, and
+    clip_grad_norm_ returns the norm of their sum as torch's does for a plain model (to float32
+    rounding, 1e-5); the optimizer's step gives the plain AdamW's weights, its state_dict() holds
+    whole tensors as torch.optim's does, and load_state_dict() takes it back."""
+    import torch.distributed as dist
+
+    from gpt2_ddp import data_parallel
+    config = load_config(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16",
+                          "--vocab_size=64", "--seq_len=16", "--compile=false", f"--sharding={sharding}",
+                          f"--exact_reduction={exact}"])
+    tokens = torch.randint(0, 64, (2, 3, 17), generator=torch.Generator().manual_seed(0))
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # (x, y), (3, 16)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    reference = plain.configure_optimizers(config, "cpu")
+    for x, y in batches:
+        plain(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    reference.step()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        raw = GPT(config)
+        model, optimizer = data_parallel.wrap(raw, raw.configure_optimizers(config, "cpu"), config,
+                                              torch.device("cpu"))
+        with model.no_sync():
+            model(*batches[0])[1].backward()
+        model.require_backward_grad_sync = True
+        model(*batches[1])[1].backward()
+        assert model.module is not None
+        torch.testing.assert_close(model.clip_grad_norm_(raw.parameters(), 1e9), norm, rtol=1e-5,
+                                   atol=0)
+        optimizer.step()
+        state = raw.state_dict()
+        for name, p in plain.state_dict().items():
+            torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-7)
+        saved = optimizer.state_dict()
+        assert [g["lr"] for g in saved["param_groups"]] == [g["lr"] for g in optimizer.param_groups]
+        expected = reference.state_dict()["state"]
+        assert {i: {k: v.shape for k, v in s.items()} for i, s in saved["state"].items()} == \
+            {i: {k: v.shape for k, v in s.items()} for i, s in expected.items()}
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.load_state_dict(saved)
+        assert all(p.grad is None for p in raw.parameters())
+    finally:
+        dist.destroy_process_group()

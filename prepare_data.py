@@ -16,22 +16,14 @@ Usage:
     # big local inputs: a fixed val size skips the extra pass that counts the tokens
     python prepare_data.py --input 'shards/*.parquet' --val_tokens 1e7
 
-Every document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The
-first tokens of the stream form the val split, the rest the train split; the two never
-share a shard. Shards are named {name}_{split}_{index:06d}.bin with one index counter
-across the splits, val first (the build-nanogpt convention). The file format is llm.c's
-(also read by modded-nanogpt): a header of 256 little-endian int32, [0] = 20240520
-(magic), [1] = 1 (version), [2] = number of tokens, the rest 0; then the tokens as
-little-endian uint16.
+Each document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The first tokens
+form the val split, the rest train, never in one shard. Shards, in llm.c's .bin format, are named
+{name}_{split}_{index:06d}.bin, one index across the splits, val first, as in build-nanogpt.
 
-{name}_manifest.json, beside the shards, records what they were made from and what they hold:
-"inputs" (per local file [absolute path, size in bytes, mtime in ns], or for --dataset [name,
-config, split]), "options" (the command-line options that change the shards), "shards" (one
-{"file": name without directory, "bytes": file size, "tokens": token count, "max_token_id":
-largest token id} per shard, in file-name order) and "max_token_id" (the largest over all
-shards). A rerun whose inputs and options equal the recorded ones has nothing to do. The
-training loader may trust a shard's max_token_id when a file of that name and byte size lies
-next to the manifest, so the manifest is removed before any shard of a new run is moved in.
+{name}_manifest.json, beside the shards, holds "inputs" (per file [absolute path, bytes, mtime in
+ns], or [dataset, config, split]), "options" (those that change the shards), "shards" (in file-name
+order, {"file", "bytes", "tokens", "max_token_id"}) and the overall "max_token_id". A rerun with
+the recorded inputs and options has nothing to do.
 """
 
 import argparse
@@ -67,14 +59,13 @@ BUILDERS = {
 
 
 PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
-# where a part may end: before a newline that follows a letter or digit. GPT-2's pre-tokenizer
-# never puts those two characters in one piece and looks ahead only within whitespace, so the
-# tokens of the parts are the tokens of the whole document (tested)
+# a part ends before a newline that follows a letter or digit: GPT-2's pre-tokenizer never joins
+# the two, so the parts' tokens are the whole document's (tested)
 PART_END = re.compile(r"(?<=[^\W_])\n")
 
 
 def _parts(texts):
-    """Yields (part, first) for each text: the text itself, or for one longer than PART_CHARS its
+    """Yields (part, first) for each text: the text, or for one longer than 2 * PART_CHARS its
     consecutive parts, cut at PART_END; first is True for a document's first part."""
     for text in texts:
         start = 0
@@ -117,8 +108,7 @@ def _tokenized(texts, workers, docs_per_task=256):
         yield from map(_tokenize_parts, batches)
         return
     with multiprocessing.Pool(workers) as pool:
-        # a bounded window of tasks in flight: memory stays flat however long the input, the
-        # workers never wait for a whole round to finish, and results come back in order
+        # a bounded window of tasks keeps memory flat and the workers busy, results in order
         in_flight = collections.deque()
         for batch in batches:
             in_flight.append(pool.apply_async(_tokenize_parts, (batch,)))
@@ -129,9 +119,8 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 
 def _texts(sources, field):
-    """Yield the text of every non-empty document of the (name, streaming dataset) sources.
-    Raises UserError with one line, naming the file and row (line, for JSON Lines), for a row
-    that cannot be read or whose field is missing, null or not text."""
+    """Yields the text of every non-empty document of the (name, rows) sources. Raises UserError
+    naming the file and row (line, for .jsonl) for a row unreadable or without text in `field`."""
     for where, dataset in sources:
         rows = iter(dataset)
         for number in itertools.count(1):
@@ -142,16 +131,15 @@ def _texts(sources, field):
             except Exception as e:  # pyarrow's and datasets' parse and cast errors
                 raise _read_error(where, e) from None
             text = row.get(field)
-            if not isinstance(text, str):  # one isinstance per row, as before: nothing next to tokenizing
+            if not isinstance(text, str):
                 raise _bad_field(where, number, row, field)
             if text:  # an empty document would add nothing but an <|endoftext|>
                 yield text
 
 
 def _bad_field(where, number, row, field):
-    """The one-line error for row `number` (1-based) of source `where`, whose `field` is missing,
-    null or not a string. A missing field and a null one are one case: pyarrow fills a field that
-    a JSON row lacks with null, and dropping such rows would lose documents without a word."""
+    """The one-line UserError for row `number` (1-based) of `where`, whose `field` is missing,
+    null or not a string (one case: pyarrow fills a field that a JSON row lacks with null)."""
     text = row.get(field)
     if text is None:
         fields = ", ".join(k for k, v in row.items() if v is not None) or "(none)"
@@ -162,9 +150,8 @@ def _bad_field(where, number, row, field):
 
 
 def _row_name(where, number):
-    """'{where} row {number}', or for a JSON Lines file '{where} line {line}', the line that holds
-    row `number`: pyarrow skips blank lines, so the file is read again to find it. (A .jsonl file
-    that holds one JSON array, which `datasets` reads too, has rows but no such line.)"""
+    """'{where} row {number}', or for a .jsonl file with a line per row '{where} line {line}',
+    found by reading the file again, as pyarrow skips blank lines."""
     line = None
     if str(where).endswith(".jsonl"):
         with open(where, encoding="utf-8", errors="replace") as f:
@@ -174,8 +161,8 @@ def _row_name(where, number):
 
 
 def _read_error(where, e):
-    """The one-line error for a source that failed to parse: for a JSON Lines file, the first line
-    that is not JSON, found by reading it again (pyarrow counts rows per block, not lines)."""
+    """The one-line UserError for a source that failed to parse, naming a .jsonl file's first line
+    that is not JSON (pyarrow counts rows per block, not lines)."""
     if str(where).endswith(".jsonl"):
         with open(where, encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
@@ -336,7 +323,6 @@ def main(argv=None):
             files = _drop_bad_utf8(files, args.skip_bad_files)
         what = " ".join(patterns)
     out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
-    # what the shards are made from: a rerun with the same inputs and options has nothing to do
     source = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
               [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
               "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
@@ -358,9 +344,8 @@ def main(argv=None):
         if first_row is not None and not isinstance(first_row.get(args.text_field), str):
             raise _bad_field(where, 1, first_row, args.text_field)
 
-    # Shards are written to a staging dir and moved into out_dir only once all are complete, so a
-    # killed run leaves no shard the loader would take for a complete dataset, and a rerun works.
-    # It is made before any tokenizing, so that an unwritable out_dir fails at once.
+    # shards move in from a staging dir only once all are complete, so a killed run leaves no
+    # partial dataset; it is made before tokenizing, so an unwritable out_dir fails at once
     made_out_dir = not out_dir.exists()
     staging = out_dir / ".partial"
     try:
@@ -378,8 +363,7 @@ def main(argv=None):
         raise
 
     old_shards = _old_shards(out_dir, name, manifest_path) if args.overwrite else []
-    # the loader trusts the manifest's max_token_id of a shard by name and byte size, which a
-    # shard of this run may share: no manifest at all until the one that describes this run
+    # the loader trusts a manifest's max_token_id by shard name and size, which new shards may share
     manifest_path.unlink(missing_ok=True)
     for path in old_shards:
         path.unlink(missing_ok=True)
@@ -394,11 +378,9 @@ def main(argv=None):
 
 
 def _sources(args, files, builder, builder_kwargs):
-    """The (name, rows) sources to tokenize, rows an iterable of dicts that can be read twice: a
-    hub dataset, streamed, or one source per local file (so that errors can name it). A .txt file
-    is one row {"text": its contents}, read as `datasets`' text builder with sample_by=document
-    reads it (UTF-8, universal newlines) but without `datasets`, so that the embedded corpus
-    needs no more than the training does (GPU machines without a package index lack it)."""
+    """The (name, rows) sources, rows an iterable of dicts that can be read twice: a hub dataset,
+    streamed, or one per local file, so errors can name it. .txt files are read as `datasets`' text
+    builder with sample_by=document does, but without it, which the training does not need."""
     if builder == "text":  # zero-byte files hold no documents
         return [(f, _TextFile(f)) for f in files if os.path.getsize(f) > 0]
     try:  # imported here: slow to import, and only the hub and json/parquet need it
@@ -407,7 +389,7 @@ def _sources(args, files, builder, builder_kwargs):
     except ImportError:
         raise UserError(f"{'--dataset' if args.dataset else 'json and parquet input'} needs the "
                         f"datasets package: pip install datasets") from None
-    # its logger would print the parse errors that _read_error() reports in one line, once more
+    # _read_error() reports parse errors in one line, which datasets' logger would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if args.dataset:
         return [(args.dataset, load_dataset(args.dataset, args.dataset_config, split=args.split,
@@ -425,8 +407,7 @@ def _sources(args, files, builder, builder_kwargs):
 
 
 class _TextFile:
-    """A .txt file as the rows of a source: one row, {"text": its contents}, read from disk each
-    time it is iterated (no file is held in memory before its turn, as with `datasets`)."""
+    """A .txt file as one row, {"text": its contents}, read from disk on each iteration."""
 
     def __init__(self, path):
         self.path = path
@@ -436,8 +417,7 @@ class _TextFile:
 
 
 def _recorded_source(manifest_path):
-    """The "inputs" and "options" of the manifest at `manifest_path`, or None where there is no
-    readable manifest (none, one cut short, or not this script's)."""
+    """The "inputs" and "options" of the manifest at `manifest_path`; None if it is unreadable."""
     try:
         manifest = json.loads(manifest_path.read_text())
         return {"inputs": manifest["inputs"], "options": manifest["options"]}
@@ -447,11 +427,8 @@ def _recorded_source(manifest_path):
 
 def _old_shards(out_dir, name, manifest_path):
     """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
-    lists, and any file the loader reads as a shard of `name` (shards.shard_name: this script's
-    {name}_{val|train}_{index}.bin, and llm.c's {name}_{val|train}.bin), for a manifest written
-    before the list existed, one lost by a run killed while moving shards in, or shards made by
-    llm.c, which the new ones would otherwise join. A listed name with a directory part or
-    without .bin is ignored: nothing else is removed."""
+    lists, and any file shards.shard_name reads as one of `name` (llm.c's too, or any a lost
+    manifest or one without a list misses). Listed names with a directory or without .bin stay."""
     try:
         listed = {entry["file"] for entry in json.loads(manifest_path.read_text())["shards"]}
     except (OSError, ValueError, KeyError, TypeError):
@@ -462,8 +439,7 @@ def _old_shards(out_dir, name, manifest_path):
 
 
 def _write_manifest(path, source, shards):
-    """Write the manifest atomically: `source` ({"inputs", "options"}) plus the "shards" entries
-    in file-name order and their overall "max_token_id" (see the module docstring)."""
+    """Writes the manifest atomically: `source`, "shards" in file-name order, "max_token_id"."""
     shards = sorted(shards, key=lambda shard: shard["file"])
     manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
     atomic_write(path, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))

@@ -1,10 +1,8 @@
 """
-Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py:
-a TOML file, then --key=value overrides, each cast to the dataclass field's type and checked
-against its rule; and the --help text, from the comment on each field's line. The scripts'
-command lines go through ArgumentParser, so that every option is spelled as the config keys are.
-
-Every mistake is a UserError, which the scripts print as one line that says how to fix it.
+Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py: a TOML
+file, then --key=value overrides, each cast to the dataclass field's type and checked against its
+rule; and --help text from the comment on each field's line. The scripts parse their command lines
+with ArgumentParser, so options are spelled as config keys are. Every mistake is a UserError.
 """
 
 import argparse
@@ -31,15 +29,11 @@ class UserError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser for the scripts. Options are defined with underscores, as the
-    config keys are (--out_dir), and each also answers to its hyphen spelling (--out-dir), which
-    --help does not show. The description, a part of a module docstring, is dedented and shown
-    with its own line breaks: argparse would refill it and run the example commands together.
-
-    Abbreviations are off (allow_abbrev=False): the scripts that pass the arguments they do not
-    know on to train_gpt2.py would take a config key for a prefix of an option of their own
-    (bench.py: --micro_batch_size=4 for --micro_batch_sizes).
-    """
+    """argparse.ArgumentParser for the scripts. Options are defined with underscores (--out_dir)
+    and also answer to the hyphen spelling (--out-dir), which --help does not show. The description
+    is dedented and keeps its line breaks, so example commands are not run together. Abbreviations
+    are off, as scripts that pass unknown arguments on to train_gpt2.py would take a config key for
+    a prefix of their own option (--micro_batch_size=4 for --micro_batch_sizes)."""
 
     def __init__(self, *args, description=None, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
@@ -49,9 +43,8 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, description=description, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, after each `--foo-bar` or `--foo-bar=value` of an option --foo_bar is
-        rewritten to that spelling (parse_args calls this too). Arguments after `--`, and
-        options that are not this parser's (those passed on to train_gpt2.py), stay as given."""
+        """argparse's, after `--foo-bar` or `--foo-bar=value` of an option --foo_bar is rewritten
+        to that spelling. Arguments after `--`, and options not this parser's, stay as given."""
         args = sys.argv[1:] if args is None else list(args)
         for i, arg in enumerate(args):
             if arg == "--":
@@ -65,13 +58,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run(main, script):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
-    ends it with the one line `{script}: error: {message}` on stderr and exit status 1.
-
-    Under torchrun every rank meets the same UserError (train_gpt2.py makes the ranks agree on
-    those only one rank sees), and rank 0 alone prints it: the others wait for torchrun to stop
-    them once rank 0 has exited, and print it themselves only if that does not come (an error of
-    their own, before the ranks could agree).
-    """
+    ends it with the one line `{script}: error: {message}` on stderr and exit status 1. Under
+    torchrun only rank 0 prints it at once: the other ranks, which meet the same error, wait up to
+    RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
@@ -82,10 +71,8 @@ def run(main, script):
 
 
 def cast_value(key, raw, typ):
-    """Casts a TOML or command-line value to a config field's type. `--max_steps=1e4` gives 10000.
-
-    Raises UserError naming the key, the value and the expected type.
-    """
+    """Casts a TOML or command-line value to a config field's type (`--max_steps=1e4` gives 10000).
+    Raises UserError naming the key, the value and the expected type."""
     try:
         if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
             raise ValueError  # a TOML array, table or boolean where a number or string belongs
@@ -110,14 +97,11 @@ def cast_value(key, raw, typ):
 
 
 def load_config(argv, config_class, rules):
-    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file first, then the
-    overrides, whose keys may be spelled with hyphens (--max-steps=10). `rules` maps keys to (a
-    predicate, or a tuple of the allowed values; the rule in words), checked on the result.
-
-    Raises UserError for a missing or malformed config file (naming the line), an unknown key
-    (naming the closest valid one), a value of the wrong type or against its rule, or a
-    malformed argument.
-    """
+    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file, then the overrides
+    (hyphens allowed: --max-steps=10). `rules` maps keys to (a predicate or a tuple of allowed
+    values, the rule in words), checked on the result. Raises UserError for a missing or malformed
+    config file, an unknown key (naming the closest), a value of the wrong type or against its
+    rule, or a malformed argument."""
     fields = {f.name: f.type for f in dataclasses.fields(config_class)}
     values = {}
     if argv and not argv[0].startswith("--"):
@@ -161,11 +145,10 @@ def toml_value(value):
 
 
 def help_lines(config_class, width=None):
-    """`--key=default  description` for each field of config_class: the default as a TOML file
-    writes it (toml_value), the description the comment on the field's line in the class's
-    source. The descriptions start in one column, two spaces after the longest --key=default of
-    up to 40 characters (a longer one puts its description on the next line), and wrap at `width`
-    columns (None: the terminal's, as argparse does)."""
+    """`--key=default  description` for each field of config_class: the default as toml_value
+    writes it, the description the comment on the field's line in the class's source. Descriptions
+    start two spaces after the longest --key=default of up to 40 characters (a longer one puts its
+    description on the next line) and wrap at `width` columns (None: the terminal's)."""
     if width is None:
         width = shutil.get_terminal_size().columns - 2
     source = inspect.getsource(config_class)

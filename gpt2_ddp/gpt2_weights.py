@@ -1,16 +1,10 @@
 """
-GPT-2 weights in and out, as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's released weights
-on the hub, or a local directory) into the layout of train_gpt2.py's GPT, and its state dicts out
-as Hugging Face directories that `transformers` loads offline, tokenizer included; and the
-weights of our own checkpoints. The model itself is not needed here: train_gpt2.GPT.from_pretrained
-and init_from call these.
+GPT-2 weights in and out as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's on the hub, or a
+local directory) and our checkpoints into train_gpt2.py's GPT layout, and its state dicts out as
+Hugging Face directories that `transformers` loads offline (--init_from, scripts/export_hf.py).
 
-    python -m scripts.export_hf out/shakespeare_cpu out/shakespeare_cpu_hf   # the command-line tool
-    --init_from=gpt2 (or gpt2-medium, gpt2-large, gpt2-xl, or a directory): train_gpt2.py's key
-
-The two layouts differ only in this: Hugging Face's GPT-2 keeps its matmul weights in Conv1D
-modules, (in_features, out_features), the transpose of nn.Linear's; and its safetensors file
-holds the tied wte/lm_head matrix once.
+Hugging Face's GPT-2 differs only in keeping matmul weights in Conv1D modules, (in_features,
+out_features), the transpose of nn.Linear's, and holding the tied wte/lm_head matrix once.
 """
 
 import json
@@ -34,10 +28,10 @@ MODEL_KEYS = (*SHAPE_KEYS.values(), "bias")  # the Config keys that fix the mode
 
 
 def load_weights(source, weights=True):
-    """(shape, state) of `source`, a checkpoint file of train_gpt2.py (of any format version), an
-    out_dir (its newest ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps
-    MODEL_KEYS to its values, state is its model state dict (None without `weights`). Raises
-    UserError for a source that is none of these or cannot be read."""
+    """(shape, state) of `source`, a train_gpt2.py checkpoint (any format version), an out_dir (its
+    newest ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its
+    values, state is its model state dict (None without `weights`). Raises UserError for a source
+    that is none of these or cannot be read."""
     path = checkpoints.resolve(source)
     if path is None:
         return load_hf(source, weights)
@@ -50,12 +44,9 @@ def load_weights(source, weights=True):
 
 
 def hf_dir(source):
-    """The local directory of a Hugging Face GPT-2 checkpoint: `source` itself, or for a hub name
-    (HUB_NAMES) the snapshot that huggingface_hub downloads into its cache (or finds there).
-
-    Raises UserError when the directory lacks config.json or model.safetensors, or the download
-    fails (offline, say).
-    """
+    """The local directory of a Hugging Face GPT-2 checkpoint: `source`, or for a hub name
+    (HUB_NAMES) huggingface_hub's cached snapshot. Raises UserError when the directory lacks
+    config.json or model.safetensors, or the download fails."""
     if source in HUB_NAMES:
         from huggingface_hub import snapshot_download
         try:
@@ -77,13 +68,10 @@ def hf_dir(source):
 
 
 def load_hf(source, weights=True):
-    """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir).
-
-    Returns (shape, state_dict): shape maps MODEL_KEYS to the checkpoint's values; state_dict is
-    keyed and laid out as GPT.state_dict(), float32, or None without `weights` (config.json alone
-    is read). Raises UserError for a checkpoint that is not GPT-2's architecture; the caller checks
-    the tensors' shapes against its model (state_mismatch).
-    """
+    """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir). Returns (shape, state_dict):
+    shape maps MODEL_KEYS to its values; state_dict is keyed and laid out as GPT.state_dict(),
+    float32, or None without `weights` (only config.json is read). Raises UserError for a checkpoint
+    not of GPT-2's architecture; the caller checks tensor shapes (state_mismatch)."""
     from safetensors.torch import load_file
     path = hf_dir(source)
     hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -125,9 +113,8 @@ def load_hf(source, weights=True):
 
 
 def state_mismatch(state, expected):
-    """What keeps the state dict `state` from loading into a model whose state dict is `expected`
-    (on the meta device, say): the first missing and unexpected keys and wrong shapes, in one
-    line; "" when it loads."""
+    """What keeps `state` from loading into a model whose state dict is `expected` (on the meta
+    device, say): the first missing and unexpected keys and wrong shapes in one line; "" if none."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
@@ -153,14 +140,11 @@ def bytes_to_unicode():
 
 
 def tokenizer_files():
-    """vocab.json and merges.txt of GPT-2's BPE, derived from tiktoken's ranks (assets/).
-
-    Returns (vocab, merges): vocab maps each token, spelled by bytes_to_unicode, to its id (the
-    tiktoken rank; <|endoftext|> is 50256); merges lists the 50000 merges in rank order, each as the
-    two tokens whose merge makes the token of that rank. Those two are found by running BPE on the
-    token's bytes with the merges of lower rank only (tiktoken's educational converter does the
-    same); raises RuntimeError if that does not end in exactly two parts.
-    """
+    """(vocab, merges) for GPT-2's vocab.json and merges.txt, from tiktoken's ranks: vocab maps each
+    token, spelled by bytes_to_unicode, to its id (its rank; <|endoftext|> is 50256); merges lists
+    the 50000 merges in rank order as "a b", each pair found by BPE on the token's bytes with lower
+    ranks only, as tiktoken's educational converter does. Raises RuntimeError if that does not end
+    in exactly two parts."""
     enc = gpt2_encoding()
     ranks = enc._mergeable_ranks
     byte_encoder = bytes_to_unicode()
@@ -188,18 +172,13 @@ def tokenizer_files():
 
 
 def save_hf(model_state, config, out_dir):
-    """Writes a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained(out_dir)` and
-    `GPT2TokenizerFast.from_pretrained(out_dir)` load offline: config.json, model.safetensors
-    (float32; Conv1D weights transposed; wte once, lm_head tied to it on load), vocab.json,
-    merges.txt and tokenizer_config.json. model_state is a GPT's state dict and config its
-    train_gpt2.Config. The vocabulary keeps config.vocab_size rows (50304 with the padding), so
-    logits are ours exactly. A model trained with bias=false gets zero biases.
-
-    Written to a temporary directory, then renamed: out_dir is whole or absent, and its files
-    have the mode open() gives a new file (atomic.new_file_mode). Raises UserError
-    if out_dir exists and is not an empty directory, or cannot be written (a read-only parent,
-    say), naming the path.
-    """
+    """Writes out_dir, a Hugging Face GPT-2 directory (config.json, model.safetensors in float32,
+    vocab.json, merges.txt, tokenizer_config.json) that `GPT2LMHeadModel.from_pretrained` and
+    `GPT2TokenizerFast.from_pretrained` load offline. model_state is a GPT's state dict, config its
+    train_gpt2.Config. All config.vocab_size rows are kept (50304 with the padding), so logits are
+    ours exactly; bias=false models get zero biases. Written to a temporary directory, then renamed,
+    so out_dir is whole or absent, its files with a new file's mode. Raises UserError, naming the
+    path, if out_dir exists and is not an empty directory, or cannot be written."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

@@ -1,15 +1,11 @@
 """
-HellaSwag (Zellers et al. 2019, https://rowanzellers.com/hellaswag/): pick the sentence ending that
-makes sense, out of 4. Scored as build-nanogpt's hellaswag.py and llm.c's dev/data/hellaswag.py
-do, so numbers compare with theirs: each candidate is the context's tokens followed by the tokens
-of " " + ending, and its score is the model's cross-entropy on the ending tokens alone. acc_norm
-picks the candidate of lowest mean loss per token, acc the lowest sum.
+HellaSwag (Zellers et al. 2019, https://rowanzellers.com/hellaswag/): pick the sensible ending of 4.
+Scored as build-nanogpt's hellaswag.py and llm.c's dev/data/hellaswag.py do, so numbers compare:
+a candidate is the context's tokens then those of " " + ending, scored by the model's cross-entropy
+on the ending tokens alone; acc_norm picks the lowest mean loss per token, acc the lowest sum.
 
-Score OpenAI's GPT-2 or a checkpoint on the validation split: `python -m scripts.hellaswag gpt2`.
-During training: --hellaswag_interval=250 in train_gpt2.py (on in configs/gpt2_124m.toml).
-
-The data is the official repository's jsonl (fields ctx, endings, label, ...), downloaded once to
-data/hellaswag/ when missing.
+Run `python -m scripts.hellaswag gpt2`, or --hellaswag_interval=250 in training. The validation
+jsonl of the official repository is downloaded once to data/hellaswag/ when missing.
 """
 
 import json
@@ -32,9 +28,8 @@ VAL_EXAMPLES = 10042
 
 
 def download(path):
-    """Downloads the validation split to `path` (atomic_write) with a progress bar, and checks
-    it holds VAL_EXAMPLES lines. Raises UserError when the download fails, offline say, naming
-    the URL and where to put the file by hand."""
+    """Downloads the validation split to `path`, atomically, and checks it holds VAL_EXAMPLES
+    lines. Raises UserError when that fails, naming the URL and where to put the file by hand."""
     from tqdm import tqdm
     path = Path(path)
 
@@ -62,13 +57,10 @@ def download(path):
 
 
 def load_examples(path, limit=0):
-    """Reads HellaSwag examples from a jsonl file in the official schema: one JSON object a line
-    with "ctx" (str), "endings" (4 str) and "label" (0-3; a string of a digit is accepted, as the
-    hub's copy has it). Returns the first `limit` of them (all when 0) as dicts of those three.
-
-    Raises UserError, naming the file and line, for a missing file, a line that is not complete
-    JSON in UTF-8 (a truncated or corrupted download, say) or an example that breaks the schema.
-    """
+    """The first `limit` (0: all) examples of a jsonl file in the official schema, as dicts of
+    "ctx" (str), "endings" (4 str) and "label" (0-3, or a digit string as in the hub's copy).
+    Raises UserError, naming the file and line, for a missing or empty file, a line that is not
+    complete JSON in UTF-8, or an example that breaks the schema."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"HellaSwag file {path} not found (it is downloaded from {URL} when missing)")
@@ -103,11 +95,10 @@ def load_examples(path, limit=0):
 
 def examples_for_training(config):
     """train_gpt2.py's examples, rendered: the first config.hellaswag_examples (0: all) of
-    config.hellaswag_path, which the master downloads first if it is missing while the other ranks
-    wait. Raises UserError as download(), load_examples() and render_all() do (a failed download
-    on every rank). A collective."""
+    config.hellaswag_path, which the master downloads if missing. A collective. Raises UserError as
+    download() (on every rank), load_examples() and render_all() do."""
     path = Path(config.hellaswag_path)
-    agreed(lambda: path.exists() or download(path), master_only=True)  # a collective: every rank
+    agreed(lambda: path.exists() or download(path), master_only=True)
     examples = load_examples(config.hellaswag_path, config.hellaswag_examples)
     return render_all(examples, config.block_size, config.vocab_size)
 
@@ -160,14 +151,10 @@ def ending_losses(model, tokens, mask, autocast=None):
 
 
 def evaluate(model, examples, device, rank=0, world_size=1, autocast=None):
-    """acc_norm and acc of `model` over `examples` (from render_all), split over the ranks:
-    example i goes to rank i % world_size, and the counts are summed over ranks, so the result is
-    that of one process. Every rank runs as many forwards (FSDP's all-gathers must pair up): a
-    rank out of examples scores its last again, uncounted.
-
-    Returns {"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"}: two fractions in [0, 1]
-    and the number of examples. Leaves the model in eval mode; the caller restores train mode.
-    """
+    """{"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"} of `model` over `examples`
+    (from render_all): two fractions in [0, 1] and the count. A collective: example i runs on rank
+    i % world_size, counts are summed over ranks, and a rank out of examples scores its last again,
+    uncounted, so FSDP's all-gathers pair up. Leaves the model in eval mode."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     for i in range(rank, math.ceil(len(examples) / world_size) * world_size, world_size):

@@ -1,8 +1,6 @@
 """
-What a run reports: a console line per training step and per evaluation, printed by rank 0, and
-the same numbers as one JSON record a line in {out_dir}/log.jsonl (checkpoints.OutDir.log), which
-scripts/plot.py draws and runs.read_log reads. With wandb_log or tensorboard, rank 0 sends each
-record to wandb or TensorBoard too (docs/logging.md); another sink is one more class like Wandb.
+What a run reports: rank 0 prints a line per training step and evaluation, and writes the numbers as
+a JSON record to {out_dir}/log.jsonl and to the wandb or TensorBoard sinks config asks for.
 """
 
 import dataclasses
@@ -26,11 +24,9 @@ def log(*args):
 
 
 class Wandb:
-    """A wandb run that receives every record, with the record's `step` as the x-axis of its
-    charts. Its id is kept in {out_dir}/wandb_run_id, so that a run resumed from a checkpoint goes
-    on logging to the same wandb run; a run that starts at step 0 starts a new one.
-
-    Raises UserError when the wandb package is missing or wandb.init fails (no API key, say)."""
+    """A wandb run that receives every record, charted against the record's `step`. Its id is kept
+    in {out_dir}/wandb_run_id, so a run resumed from a checkpoint logs to the same wandb run.
+    Raises UserError when the wandb package is missing or wandb.init fails."""
 
     def __init__(self, config, resumed):
         try:
@@ -49,8 +45,7 @@ class Wandb:
                             f"uploads the run later)") from None
         if run_id is None:
             atomic_write(id_path, lambda f: f.write(self.run.id.encode()))
-        # wandb's own step counts log calls, and a resumed run logs steps again that the run
-        # before it logged after its last checkpoint: the charts take the record's step instead
+        # wandb's own step counts log calls, and a resumed run logs some steps again
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -62,12 +57,9 @@ class Wandb:
 
 
 class TensorBoard:
-    """TensorBoard event files under {out_dir}/tensorboard, a scalar per key of each record (the
-    key is its tag) at the record's step. The events of steps >= first_step that an earlier run
-    wrote (after its last checkpoint, before it was killed) are hidden, as they are cut from
-    log.jsonl.
-
-    Raises UserError when the tensorboard package is missing."""
+    """TensorBoard event files under {out_dir}/tensorboard, a scalar per record key at the record's
+    step. Events of steps >= first_step that an earlier run wrote are hidden, as they are cut from
+    log.jsonl. Raises UserError when the tensorboard package is missing."""
 
     def __init__(self, config, first_step):
         try:
@@ -121,9 +113,8 @@ def state_bytes(optimizer):
 
 
 def first_unlogged_step(log_path):
-    """1 + the largest step of log.jsonl's records, 0 for none. Called after OutDir.start, which
-    cut the records of the steps that this run logs again (and any damaged line): so the first
-    step this run may log, whichever step its first record has."""
+    """1 + the largest step of log.jsonl's records, 0 for none: after OutDir.start has cut the
+    steps this run logs again, the first step this run may log."""
     lines = log_path.read_text().splitlines() if log_path.exists() else []
     return max((json.loads(line)["step"] for line in lines), default=-1) + 1
 
@@ -131,8 +122,7 @@ def first_unlogged_step(log_path):
 def open_sinks(out, config, start_step):
     """The sinks config asks for besides log.jsonl, on rank 0. Raises UserError as they do."""
     sinks = []
-    # TensorBoard first: a missing package then stops the run before wandb.init makes a run
-    # that would stay empty
+    # TensorBoard first, so a missing package stops the run before wandb.init makes an empty run
     if config.tensorboard:
         sinks.append(TensorBoard(config, first_unlogged_step(out.log_path)))
     if config.wandb_log:
@@ -148,13 +138,10 @@ def close_sinks(sinks, failed):
 
 
 class Metrics:
-    """The reports of a run from start_step (the step of the checkpoint it resumed from, 0 for
-    none) on. out: rank 0's checkpoints.OutDir (None on the other ranks, which write no records);
-    flops_per_step: training FLOPs per optimizer step. MFU divides by config.peak_flops, or where
-    that is 0 by peak_flops(device); where neither is known, no MFU is reported.
-
-    Opens the sinks of wandb_log and tensorboard on rank 0; raises UserError, on every rank, when
-    one cannot be opened (a collective). Call close() at the end of the run."""
+    """The reports of a run from start_step (its checkpoint's step, 0 for none) on. out: rank 0's
+    checkpoints.OutDir (None on the other ranks); flops_per_step: training FLOPs per optimizer step.
+    MFU divides by config.peak_flops, else peak_flops(device), else is not reported. A collective:
+    opens the sinks on rank 0, raising UserError on every rank if one fails; close() ends them."""
 
     def __init__(self, out, config, world_size, device, flops_per_step, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
@@ -165,8 +152,7 @@ class Metrics:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
         self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []
-        # should an exception end the run before close(), the sinks are closed as a failed run's
-        # when this object is freed (or at exit): their last records are not lost
+        # a run that an exception ends before close() still flushes its sinks, as a failed run's
         self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)
 
     def close(self):

@@ -1,7 +1,6 @@
 """
-Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and for the scripts
-that train (scripts/bench.py, scripts/check_equivalence.py) or read logs (scripts/plot.py); and
-running any command with its output streamed (scripts/gpu_check.py's parts).
+Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and scripts; and running
+any command with its output streamed.
 """
 
 import json
@@ -19,10 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=None):
-    """The argv that runs train_gpt2.py with `args` as a user would, under the interpreter
-    `python` (and its torch): `python train_gpt2.py` for one process, torchrun (`python -m
-    torch.distributed.run --standalone --nproc_per_node=N`, then `torchrun_args`) for more, or
-    for one too with torchrun=True (a process group of one: NCCL's on a GPU)."""
+    """The argv that runs train_gpt2.py with `args` under the interpreter `python`: `python
+    train_gpt2.py` for one process, torchrun (`python -m torch.distributed.run --standalone
+    --nproc_per_node=N`, then `torchrun_args`) for more, or for one with torchrun=True."""
     script = str(ROOT / "train_gpt2.py")
     if not (nproc > 1 if torchrun is None else torchrun):
         return [python, script, *args]
@@ -32,10 +30,9 @@ def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=Non
 
 def stream(cmd, on_line, timeout=None, env=None, own_session=False):
     """Runs cmd in the repo root with the environment `env` (None: this process's), calling
-    on_line(line, from_stdout) for each line of its output as it comes, one call at a time.
-    Returns (its exit code, or None when it ran past `timeout` seconds and was killed; its
-    stdout; its stderr), as text. own_session: it starts a session of its own, and a timeout
-    kills that whole process group (torchrun's workers, a script's runs), not it alone."""
+    on_line(line, from_stdout) for each output line as it comes, one call at a time. Returns
+    (exit code, or None when killed past `timeout` seconds; stdout; stderr), as text. own_session:
+    it runs in a session of its own, and a timeout kills its whole process group."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              cwd=ROOT, start_new_session=own_session)
     stdout, stderr, lock = [], [], threading.Lock()
@@ -47,8 +44,7 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
                     lines.append(line)
                     on_line(line, from_stdout)
 
-    # both pipes are read while the run goes on: a full one would stall it. Daemon threads, as
-    # workers that outlive a killed torchrun may hold the pipes open.
+    # a full pipe would stall the run; daemon threads, as workers of a killed torchrun may hold them
     readers = [threading.Thread(target=read, args=(child.stdout, stdout, True), daemon=True),
                threading.Thread(target=read, args=(child.stderr, stderr, False), daemon=True)]
     for reader in readers:
@@ -70,17 +66,11 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
 def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None,
           torchrun=None):
     """Runs command(args, nproc, python, torchrun=torchrun) in the repo root with the environment
-    `env` (None: this process's) and waits for it. Returns the CompletedProcess, its stdout and
-    stderr as text.
-
-    progress: None, or a label for the run; then its start, the console lines of its steps and
-    evaluations (those that begin with "step") as they come, and its end with the time it took
-    are printed on stderr after `{progress}: `, so that a run of minutes is not a silent one.
-
-    Raises UserError with the command, its exit status and its output if it fails, and
-    subprocess.TimeoutExpired with the output so far if it runs past `timeout` seconds (killed
-    then, as subprocess.run does).
-    """
+    `env` (None: this process's) and waits for it. Returns the CompletedProcess, stdout and stderr
+    as text. progress: a label; if given, the run's start, its "step" lines and its end with the
+    time taken are printed on stderr after `{progress}: `. Raises UserError with the command, its
+    exit status and output if it fails, and subprocess.TimeoutExpired with the output so far if it
+    runs past `timeout` seconds (killed then, as subprocess.run does)."""
     cmd = command(args, nproc, python, torchrun=torchrun)
     start = time.monotonic()
     if progress is not None:
@@ -102,12 +92,9 @@ def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress
 
 
 def read_log(path):
-    """The records of a log.jsonl, or of DIR/log.jsonl, as a list of dicts in the file's order.
-    A last line that is not JSON is skipped: a run killed while appending it leaves it cut.
-
-    Raises UserError, in one line, for a file that cannot be read, a line before the last that is
-    not JSON, or a file without records.
-    """
+    """The records of a log.jsonl, or of DIR/log.jsonl, as a list of dicts in the file's order. A
+    last line that is not JSON (cut by a killed run) is skipped. Raises UserError, in one line, for
+    a file that cannot be read, a line before the last that is not JSON, or no records."""
     path = Path(path)
     if path.is_dir():
         path = path / "log.jsonl"

@@ -1,13 +1,10 @@
 """
-Token shards: the file format (written by prepare_data.py, read by train_gpt2.py's DataLoader),
-which files form a split of a data_dir, and whether every token id fits the model's vocabulary,
-known before the first step.
+Token shards in llm.c's .bin format (also read by modded-nanogpt): writing, reading, which files
+form a split, a check that token ids fit the vocabulary. Another format changes this module alone.
 
-The format is llm.c's .bin (also read by modded-nanogpt): 256 little-endian int32 (magic 20240520,
-version 1, token count, zeros), then the tokens as little-endian uint16. prepare_data.py names
-shards {dataset}_{split}_{index:06d}.bin, as llm.c's fineweb.py does; llm.c's tinyshakespeare.py
-and tinystories.py write one shard a split, {dataset}_{split}.bin, which are read as well. Another
-format is a change to this module alone.
+A shard is 256 little-endian int32 (magic 20240520, version 1, token count, zeros), then the tokens
+as little-endian uint16, named {dataset}_{split}_{index:06d}.bin (llm.c's fineweb.py) or
+{dataset}_{split}.bin (llm.c's tinyshakespeare.py and tinystories.py).
 """
 
 import json
@@ -30,13 +27,9 @@ SHARD_NAME = re.compile(r"(?P<dataset>.+)_(?P<split>train|val)(?:_\d+)?\.bin")
 
 
 def write_shard(path, tokens):
-    """Write tokens to `path` as one llm.c .bin shard, atomically.
-
-    tokens: 1-D array-like of ints in [0, 65535], stored as little-endian uint16 after a
-    header of HEADER_INTS little-endian int32 (magic, version, token count, zeros).
-    Written through atomic_write, so a killed run never leaves a truncated .bin behind. Raises
-    ValueError for tokens that are not a 1-D integer sequence in uint16 range.
-    """
+    """Writes `tokens`, a 1-D array-like of ints in [0, 65535], to `path` as one shard, atomically,
+    so a killed run leaves no truncated .bin. Raises ValueError for tokens that are not 1-D
+    integers in uint16 range, or more than MAX_SHARD_TOKENS of them."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -64,10 +57,8 @@ def read_tokens(path):
 
 
 def read_shard_header(path):
-    """Returns the token count of a .bin shard after checking its header and file size.
-
-    Raises UserError naming the file and the command that remakes it.
-    """
+    """Returns the token count of a .bin shard after checking its header and file size. Raises
+    UserError for a bad one, naming the file and the command that remakes it."""
     size = os.path.getsize(path)
     if size < HEADER_INTS * 4:
         raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
@@ -90,13 +81,10 @@ def shard_name(filename):
 
 
 def split_paths(data_dir, split, dataset="", required=False):
-    """The shards of one split in data_dir (named as shard_name reads them), in name order: those
-    of `dataset` (their name's prefix before _train or _val), or of the only dataset there.
-
-    Raises UserError when data_dir holds the shards of several datasets and `dataset` is empty:
-    reading them all would mix two corpora without a word; and, if `required`, when there are
-    none, naming the command that makes them.
-    """
+    """The paths of one split's shards in data_dir (as shard_name reads them), in name order:
+    those of `dataset`, or of the only dataset there. Raises UserError when `dataset` is empty and
+    data_dir holds several datasets' shards (rather than mix corpora), and, if `required`, when
+    there are none, naming the command that makes them."""
     data_dir = Path(data_dir)
     named = {p: shard_name(p.name) for p in data_dir.glob("*.bin")}
     named = {p: name for p, name in named.items() if name}
@@ -120,16 +108,11 @@ def split_paths(data_dir, split, dataset="", required=False):
 
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
-    """The largest token id of each shard in `paths`, as a list of ints.
-
-    Taken from prepare_data.py's manifests in the shards' directory (an entry counts when a file
-    of its name and size is there), else from `cache_path` (a JSON file in out_dir: data_dir may be
-    read-only) when a shard's size and mtime are unchanged, else by reading the shard: shard i is
-    rank i % world_size's to read when that rank does not know it, with progress on rank 0, and
-    rank 0 adds the results to the cache, so a long run's restarts do not read 10B tokens again.
-    reduce_max(list of ints) is a collective that every rank calls once: the element-wise maximum
-    over ranks, so a value any rank knows or read counts, even where nodes see other caches.
-    """
+    """The largest token id of each shard in `paths`, as a list of ints. A collective: from
+    prepare_data.py's manifests (an entry counts when a file of its name and size is there), else
+    the JSON cache `cache_path` (in out_dir, as data_dir may be read-only) if size and mtime match,
+    else read by rank i % world_size for shard i; rank 0 adds the results to the cache.
+    reduce_max(list of ints), called once on every rank, is the element-wise maximum over ranks."""
     known = {}
     for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
         try:
@@ -138,7 +121,7 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
                 if path.is_file() and path.stat().st_size == e["bytes"]:
                     known[path] = int(e["max_token_id"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # a manifest of an older prepare_data.py, or not one: scan its shards
+            continue  # not a manifest with shard entries: its shards are scanned
     try:
         cache = json.loads(Path(cache_path).read_text())
     except (OSError, ValueError):
@@ -180,9 +163,8 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
 
 
 def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max):
-    """Raises UserError, on every rank, for a shard of `paths` that holds a token id >= vocab_size
-    (another tokenizer's shards), before the first step rather than mid-run on the one rank that
-    reads it. The ids are max_token_ids' (the same arguments). A collective."""
+    """Raises UserError, on every rank, for a shard of `paths` holding a token id >= vocab_size
+    (another tokenizer's), before the first step. A collective; the arguments are max_token_ids'."""
     for path, largest in zip(paths, max_token_ids(paths, cache_path, rank, world_size, reduce_max)):
         if largest >= vocab_size:
             raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size={vocab_size}: it "

@@ -1,0 +1,140 @@
+"""The arithmetic of a training step, against what it should be: the gradient is the mean loss's
+over the whole batch, however it is split into ranks and micro-steps; the learning rate follows
+its schedule; weight decay falls on the 2-D weights alone; a non-finite step changes nothing."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import train_gpt2
+from conftest import TINY, read_log, run_training
+from gpt2_ddp import checkpoints
+
+STEPS = 4
+# 4 micro-batches of 2 x 16 tokens a step: 4 micro-steps on one process, 2 on each of two ranks
+ARGS = [*TINY, "--total_batch_size=128", f"--max_steps={STEPS}", "--eval_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from conftest import make_shards
+    path = tmp_path_factory.mktemp("math_data")
+    make_shards(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """The records of ARGS trained by 1 process (4 micro-steps) and by 2 ranks (2 each), in the
+    default mode, and by 2 ranks in exact mode (which divides by all 4 micro-batches)."""
+    out = {}
+    for name, nproc, extra in (("1x4", 1, []), ("2x2", 2, []), ("exact", 2, ["--exact_reduction=true"])):
+        path = tmp_path_factory.mktemp(name)
+        run_training([*ARGS, *extra, f"--data_dir={data_dir}", f"--out_dir={path}"], nproc=nproc)
+        out[name] = read_log(path)[0]
+    return out
+
+
+def test_grad_norm_of_one_process_equals_two_ranks(runs):
+    """The gradient is the mean over the step's micro-batches whether one process accumulates 4 or
+    two ranks 2 each: the logged norms (before clipping) of the first two steps agree to float32
+    rounding (rtol 1e-5); later steps drift by rounding that Adam amplifies."""
+    np.testing.assert_allclose([r["grad_norm"] for r in runs["1x4"][:2]],
+                               [r["grad_norm"] for r in runs["2x2"][:2]], rtol=1e-5)
+
+
+def mean_loss_grad_norm(data_dir, config):
+    """The 2-norm of the gradient of the mean cross-entropy over step 1's micro-batches, computed
+    apart from the training loop: the initial weights (build_model's, as the run's), the batch
+    read straight from the shards (the train split, in name order, as one stream), one forward of
+    all its sequences, float64 sums."""
+    B, T = config.micro_batch_size, config.seq_len
+    n = config.total_batch_size // (B * T)
+    stream = np.concatenate([np.fromfile(p, dtype="<u2", offset=1024)
+                             for p in sorted(data_dir.glob("*_train_*.bin"))]).astype(np.int64)
+    sequences = torch.from_numpy(stream[:n * B * T + 1])
+    x = sequences[:-1].view(n * B, T)
+    y = sequences[1:].view(n * B, T)
+    model = train_gpt2.build_model(config, torch.device("cpu"))
+    logits, _ = model(x)
+    F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).backward()
+    return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["2x2", "exact"])
+def test_step_1_grad_norm_is_that_of_the_mean_loss(runs, data_dir, name):
+    """Step 1's logged gradient norm equals the norm of the gradient of the mean loss over its
+    whole batch, computed without the loop (rtol 1e-5, float32 rounding): the loop divides each
+    micro-step's loss by the right count, in the default mode and in exact mode (2 ranks each)."""
+    config = train_gpt2.load_config([*ARGS, f"--data_dir={data_dir}"])
+    assert runs[name][0]["grad_norm"] == pytest.approx(mean_loss_grad_norm(data_dir, config),
+                                                       rel=1e-5)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    """GPT-3's schedule (appendix B): linear warmup to max_lr, then a cosine to min_lr at
+    max_steps, never rising after warmup."""
+    config = train_gpt2.load_config(["--warmup_steps=10", "--max_steps=110", "--max_lr=1.0",
+                                     "--min_lr=0.1"])
+    lr = [train_gpt2.get_lr(step, config) for step in range(config.max_steps + 1)]
+    assert lr[0] == pytest.approx(0.1) and lr[4] == pytest.approx(0.5) and lr[9] == pytest.approx(1.0)
+    assert lr[10] == pytest.approx(1.0) and lr[60] == pytest.approx(0.55)  # the decay's midpoint
+    assert lr[109] == pytest.approx(0.1, abs=1e-3) and lr[110] == 0.1
+    assert all(later <= earlier for earlier, later in zip(lr[9:], lr[10:]))
+
+
+def test_logged_lr_is_the_schedule(runs, data_dir):
+    """Step N's record (the N-th update) logs get_lr(N - 1): updates are counted from 0 by the
+    schedule and from 1 in the log."""
+    config = train_gpt2.load_config([*ARGS, f"--data_dir={data_dir}"])
+    for name in runs:
+        assert [r["lr"] for r in runs[name]] == [train_gpt2.get_lr(s - 1, config)
+                                                 for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_weight_decay_falls_on_2d_weights_alone(optimizer):
+    """As GPT-2 and nanoGPT: the embeddings' and matmuls' weights decay; biases and LayerNorm gains
+    do not. With Muon the blocks' matrices are Muon's, which decays none, so only wte (tied to
+    lm_head) and wpe decay."""
+    config = train_gpt2.load_config([*TINY, f"--optimizer={optimizer}"])
+    model = train_gpt2.GPT(config)
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in model.configure_optimizers(config, "cpu").param_groups
+               if g["weight_decay"] > 0 for p in g["params"]}
+    matrices = {"transformer.wte.weight", "transformer.wpe.weight"}
+    if optimizer == "adamw":
+        matrices |= {f"transformer.h.{i}.{m}.weight" for i in range(config.n_layer)
+                     for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert decayed == matrices
+    assert not {n for n in decayed if n.endswith(".bias") or ".ln_" in n}
+
+
+def test_a_skipped_non_finite_step_changes_no_weight_and_no_optimizer_state(data_dir, tmp_path,
+                                                                           monkeypatch):
+    """A forward patched to give a NaN loss in the last update: the update is skipped and logged so,
+    and the checkpoint saved after it holds the weights and optimizer state of the one before,
+    bitwise."""
+    forward, calls = train_gpt2.GPT.forward, []
+
+    def nan_in_update_3(self, idx, targets=None, cache=None):
+        logits, loss = forward(self, idx, targets, cache)
+        if self.training and targets is not None:
+            calls.append(1)
+            if len(calls) > 2 * 4:  # updates 1 and 2 take 4 micro-steps each
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", nan_in_update_3)
+    assert train_gpt2.main([*TINY, "--total_batch_size=128", "--max_steps=3", "--eval_interval=0",
+                            "--checkpoint_interval=1", "--keep_checkpoints=0",
+                            f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
+    assert [r.get("skipped", False) for r in read_log(tmp_path)[0]] == [False, False, True]
+    before, after = (checkpoints.load(tmp_path / f"ckpt_{s:07d}.pt") for s in (2, 3))
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+    assert after["optimizer"]["state"].keys() == before["optimizer"]["state"].keys()
+    for i, state in before["optimizer"]["state"].items():
+        assert all(torch.equal(after["optimizer"]["state"][i][k], v) for k, v in state.items())

@@ -1,8 +1,6 @@
 """
-Files written whole or not at all, however the process ends: checkpoints, shards, manifests,
-logs, plots and downloads all go through atomic_write. What is written is as readable as a file
-that open() makes (0o666 less the umask), to others too on a shared machine where the umask lets
-them read.
+Files written whole or not at all, however the process ends, with the mode open() gives a new file
+(0o666 less the umask), so others can read them where the umask lets them.
 """
 
 import os
@@ -10,12 +8,10 @@ from pathlib import Path
 
 
 def atomic_write(path, write):
-    """Calls write(f) on a binary temp file beside `path` (its name + ".tmp"), fsyncs it, then
-    renames it onto `path` and fsyncs the directory: a process killed (or a machine that loses
-    power) at any moment leaves either the old file or the new one, never a part. The temp file
-    is made by open(), so `path` gets the mode of a new file (new_file_mode), not tempfile's 0o600.
-    On an error (disk full, or one that write raised) the temp file is removed and the error
-    raised."""
+    """Calls write(f) on a binary temp file beside `path` (its name + ".tmp"), fsyncs it, renames it
+    onto `path` and fsyncs the directory, so a kill or power loss leaves the old file or the new one,
+    never a part. `path` gets new_file_mode(), not tempfile's 0o600. On any error, write's included,
+    the temp file is removed and the error re-raised."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -1,10 +1,7 @@
 """
-train_gpt2.py's out_dir: the lock that keeps one run in it, and checkpoints that are written
-atomically with a checksum, loaded newest first past damaged ones, and pruned without ever deleting
-the best one the user has.
-
-train_gpt2.py calls open_out_dir() and load_newest() on every rank (they are collectives, which
-make the ranks agree on the outcome); the rest runs on rank 0, or on any rank alone.
+train_gpt2.py's out_dir: the lock that keeps one run in it, and checkpoints written atomically with
+a checksum, loaded newest first past damaged ones, and pruned sparing the one resumed from.
+open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on any rank alone.
 """
 
 import hashlib
@@ -26,7 +23,7 @@ except ImportError:
     fcntl = None
 
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
-# the format save() writes; a resume refuses any other (train_gpt2.resume), init_from reads the weights
+# save()'s format; a resume refuses any other, init_from reads only the weights
 VERSION = 2
 PATTERN = "ckpt_*.pt"
 
@@ -44,14 +41,10 @@ def remove(path):
 
 
 def lock(out_dir):
-    """Makes out_dir and takes its lock: an OS file lock on {out_dir}/.lock (flock), which the
-    kernel releases when the process ends, however it ends, so a SIGKILL leaves nothing stale.
-    Keep the returned file open for as long as the run lasts.
-
-    Raises UserError when out_dir cannot be made or written, or another process holds the lock.
-    A filesystem without flock (NFS without lockd, Lustre mounted noflock) gets a warning and no
-    lock.
-    """
+    """Makes out_dir and takes an flock on {out_dir}/.lock, which the kernel releases however the
+    process ends, so a SIGKILL leaves nothing stale. Keep the returned file open while the run lasts.
+    Raises UserError when out_dir cannot be made or written, or another process holds the lock. A
+    filesystem without flock (NFS without lockd, Lustre mounted noflock) gets a warning, no lock."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,12 +119,8 @@ def to_cpu(obj):
 
 def save(path, state):
     """Writes state (a dict of KEYS and "evaluated"), its format VERSION and its sha256 to `path`
-    atomically.
-
-    Raises UserError, with nothing written, when a floating-point value of the state is not finite
-    (a run that diverged: its checkpoint would be worth less than the last one), or when the write
-    fails (disk full, permissions: the temp file is removed, every older checkpoint kept).
-    """
+    atomically. Raises UserError, writing nothing and keeping every older checkpoint, when a float
+    in state is not finite (the run diverged) or the write fails (disk full, permissions)."""
     floats = {}  # by device: one host sync per device, not per tensor
     for t in tensors(state):
         if t.is_floating_point():
@@ -174,10 +163,7 @@ class Unloadable(Exception):
 
 def load(path):
     """The state that save() wrote, on the CPU (memory-mapped, so ranks on one node share the
-    pages), after checking its keys and checksum.
-
-    Raises Unloadable with the reason in one line.
-    """
+    pages), after checking its keys and checksum. Raises Unloadable with the reason in one line."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch.load raises many kinds for a file cut short or not a zip
@@ -192,13 +178,10 @@ def load(path):
 
 
 def newest_loadable(out_dir, warn):
-    """Loads the newest checkpoint of out_dir that loads; returns (path, state), or (None, None)
-    when out_dir has none. Each newer one that does not load is named in warn() and set aside as
-    {name}.damaged (.damaged2...), so that it neither shadows the good one nor is taken for the
-    newest when pruning.
-
-    Raises UserError when checkpoints exist but none loads (then none is renamed).
-    """
+    """The newest checkpoint of out_dir that loads, as (path, state), or (None, None) if there is
+    none. Each newer one that fails is named in warn() and renamed {name}.damaged (.damaged2...), so
+    it neither shadows the good one nor counts as the newest when pruning. Raises UserError, renaming
+    nothing, when checkpoints exist but none loads."""
     paths = sorted(Path(out_dir).glob(PATTERN))
     damaged = []
     for path in reversed(paths):
@@ -235,13 +218,9 @@ def prune(out_dir, keep, protected):
 
 
 class OutDir:
-    """Rank 0's hold on a run's out_dir: its lock (taken at once), log.jsonl and checkpoints.
-
-    With `overwrite` (resume=never over old checkpoints) nothing old is deleted until the run's
-    first checkpoint is saved: till then the old log waits as log.jsonl.old, and a run that ends
-    before (an error, a kill) leaves the old checkpoints, whose log the next run puts back.
-    Raises UserError as lock() does.
-    """
+    """Rank 0's hold on a run's out_dir: its lock (taken at once; raises UserError as lock() does),
+    log.jsonl and checkpoints. With `overwrite` nothing old is deleted until the run's first
+    checkpoint is saved; till then the old log waits as log.jsonl.old for a later run to restore."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -252,15 +231,10 @@ class OutDir:
         self.protected = set()
 
     def start(self, start_step, resumed_from, overwrite):
-        """Before the first step: removes temp files of killed saves; then keeps in log.jsonl the
-        records up to the checkpoint resumed from, step start_step (the evaluations of its step
-        too, which ran before it was saved or, after a stop, not at all), dropping those a killed
-        run logged after it (they run again), any damaged line, and on a fresh start everything;
-        or, with `overwrite` (a list of checkpoints), sets the log aside. The checkpoint resumed
-        from is never pruned by this run.
-
-        Raises UserError when out_dir cannot be written.
-        """
+        """Before the first step: removes temp files of killed saves, then keeps in log.jsonl only
+        the records up to start_step, the step resumed from (its evaluations included), and none on
+        a fresh start; or, with `overwrite` (a list of checkpoints), sets the log aside. The
+        checkpoint resumed from is never pruned. Raises UserError when out_dir cannot be written."""
         self.protected = {resumed_from} - {None}
         try:
             for stale in self.path.glob("*.tmp"):
@@ -292,15 +266,12 @@ class OutDir:
         try:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        except OSError as e:  # the disk filled up, say: the next checkpoint's save says so, agreed
+        except OSError as e:  # a full disk, say: the next save reports it on every rank
             print(f"warning: cannot append to {self.log_path}: {e.strerror}", flush=True)
 
     def save(self, step, state, keep):
-        """Saves the checkpoint of `step` (save()); then, the first time with overwrite, deletes
-        the old checkpoints and log; then keeps the newest `keep` (prune()). Returns its path.
-
-        Raises UserError as save() does, with every older checkpoint kept.
-        """
+        """Saves the checkpoint of `step` (save(), whose UserError it raises), deletes the old
+        ones and log the first time with overwrite, then prune()s to `keep`. Returns its path."""
         path = path_of(self.path, step)
         save(path, state)
         if self.overwrite is not None:
@@ -327,10 +298,9 @@ def open_out_dir(config):
 
 
 def load_newest(out_dir, warn):
-    """The newest checkpoint of out_dir that loads, as (path, state) on every rank, or (None, None)
-    when there is none: rank 0 chooses it (newest_loadable, which sets damaged newer ones aside),
-    the other ranks load the one it chose. Raises UserError, on every rank, when none loads or a
-    rank cannot read rank 0's. A collective."""
+    """The newest checkpoint of out_dir that loads, as (path, state) on every rank, or (None, None):
+    rank 0 chooses it (newest_loadable) and the others load that file. Raises UserError on every
+    rank when none loads or a rank cannot read rank 0's choice. A collective."""
     master_process = not dist.is_initialized() or dist.get_rank() == 0
     found = agreed(lambda: newest_loadable(out_dir, warn), master_only=True)
     path = broadcast_object(found[0] if master_process else None)

@@ -1,8 +1,6 @@
 """
-The collectives that train_gpt2.py and its modules share beyond DDP's own: making every rank agree
-on a user's error, so that under torchrun all ranks stop with one line instead of waiting for a
-collective until the timeout, and handing small values around. Each works in one process without a
-process group, too.
+Collectives shared beyond DDP's own: making every rank agree on a user's error, and handing small
+values around. Each also works in one process without a process group.
 """
 
 import torch
@@ -12,10 +10,9 @@ from gpt2_ddp.configurator import UserError
 
 
 def agreed(fn, master_only=False):
-    """Runs fn() on every rank (on rank 0 alone with master_only) and returns its result where it
-    ran, None elsewhere. If fn raised UserError on any rank, every rank raises it (the lowest such
-    rank's message), so that under torchrun the others stop too instead of waiting for a
-    collective until the timeout; configurator.run prints it from rank 0 alone. A collective."""
+    """Runs fn() on every rank (on rank 0 alone with master_only); returns its result where it ran,
+    None elsewhere. If fn raised UserError on any rank, every rank raises it (the lowest such rank's
+    message), so the others stop rather than wait for a collective till the timeout. A collective."""
     result, error = None, None
     if not master_only or not dist.is_initialized() or dist.get_rank() == 0:
         try:

@@ -1,21 +1,13 @@
 """
-Swap-ins for DDP, made by one call, wrap(): ZeRO-2 (sharding=zero2), FSDP2 (sharding=fsdp), and
-DDP with its gradients summed in float64 (exact_reduction). train_gpt2.py builds the default,
-`DDP(model)` and torch.optim.AdamW, itself; a swap-in takes that model and optimizer and returns
-two objects that present what the loop uses of them, as picotron's data_parallel wrappers do:
+Swap-ins for DDP(model) and its optimizer, made by wrap(): ZeRO-2 (sharding=zero2), FSDP2
+(sharding=fsdp), and DDP with float64 gradient sums (exact_reduction), as picotron's data_parallel
+wrappers. Each keeps torch.optim's element-wise arithmetic and presents what the loop uses:
 
-    model      forward; require_backward_grad_sync, set before each micro-step's forward as DDP's
-               flag is (the backward after it syncs the gradients, or leaves them to accumulate);
-               no_sync(); clip_grad_norm_(parameters, max_norm), torch.nn.utils.clip_grad_norm_'s
-               signature, which clips the synced gradient and returns its norm; .module
-    optimizer  param_groups (where the schedule sets lr), zero_grad(), step(), and state_dict() /
-               load_state_dict() of the whole, unsharded state, in torch.optim's format, so that a
-               checkpoint resumes in any mode at any world size
-
-The model passed in is the GPT itself, its parameters those of the optimizer. Every swap-in keeps
-torch.optim's element-wise arithmetic; only where gradients are summed, and who updates what,
-differs. Their own gradient norm (clip_grad_norm) is used where torch's cannot give the right one:
-flat ZeRO-2 slices, and float64 sums that must come out the same at every world size.
+    model      forward; require_backward_grad_sync, DDP's flag, set before each micro-step's forward;
+               no_sync(); clip_grad_norm_(parameters, max_norm) with torch.nn.utils' signature,
+               which clips the synced gradient and returns its norm; .module
+    optimizer  param_groups, zero_grad(), step(), and state_dict() / load_state_dict() of the whole,
+               unsharded state in torch.optim's format, resumable in any mode at any world size
 """
 
 import contextlib
@@ -26,15 +18,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# torch 2.13 renamed these two collectives and deprecated the old names, the only ones before it
+# the new names where torch has them, else the old ones, which newer torch deprecates
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def wrap(model, optimizer, config, device):
-    """(model, optimizer) of config's swap-in for DDP(model) and `optimizer`: ZeRO2 for
-    sharding=zero2, FSDP for fsdp, ExactDDP for ddp with exact_reduction. zero2 and fsdp need a
-    process group, of one process too."""
+    """Config's swap-in, as (model, optimizer), for the GPT `model` and an `optimizer` over its
+    parameters: ZeRO2 for sharding=zero2, FSDP for fsdp, ExactDDP for ddp with exact_reduction.
+    zero2 and fsdp need a process group, even of one process."""
     if config.sharding == "zero2":
         zero2 = ZeRO2(model, config)
         return zero2, ZeRO2Optimizer(optimizer, zero2)
@@ -46,11 +38,10 @@ def wrap(model, optimizer, config, device):
 
 
 def clip_grad_norm(grads, max_norm, sharded):
-    """Scales grads in place so that their total 2-norm is at most max_norm, as
-    torch.nn.utils.clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6), at most 1); returns
-    the norm before clipping, a float32 scalar tensor. The squares are summed in float64, and over
-    ranks when the grads are `sharded` (this rank's part of the gradient), so the norm is the same
-    however the gradient is split into tensors, slices and ranks."""
+    """Scales grads in place to a total 2-norm of at most max_norm, as torch.nn.utils.clip_grad_norm_
+    (coefficient max_norm / (norm + 1e-6), at most 1). Returns the norm before clipping, a float32
+    scalar tensor. Squares are summed in float64, and over ranks (a collective) when the grads are
+    `sharded`, so the norm does not depend on how tensors, slices and ranks split the gradient."""
     dtype = torch.float32 if grads[0].device.type == "mps" else torch.float64  # MPS lacks float64
     norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in grads]).pow(2).sum()
     if sharded:
@@ -86,12 +77,9 @@ class DataParallel(nn.Module):
 
 
 class ExactDDP(DataParallel):
-    """DDP (or one process without it) whose gradients are summed in float64: a
-    post-accumulate-grad hook adds each micro-step's gradient to a float64 sum; on the syncing
-    micro-step, DDP's comm hook sums those over ranks in float64 and casts to float32 once. Float32
-    values summed in float64 are exact, or round to the same float32 in any order, so every world
-    size gets the same bits. The loop divides the loss by every micro-batch of the step, not by
-    this rank's alone, since the sum over ranks is not averaged."""
+    """DDP (or one process without it) that sums gradients over micro-steps and ranks in float64,
+    exact or rounding to the same float32 in any order, so every world size gets the same bits. The
+    sum is cast to float32 once and not averaged: divide the loss by all the step's micro-batches."""
 
     def __init__(self, model, config, device):
         super().__init__(torch.compile(model) if config.compile and not config.compile_ddp else model)
@@ -144,14 +132,10 @@ class ExactDDP(DataParallel):
 
 
 class ZeRO2(DataParallel):
-    """ZeRO stage 2 (Rajbhandari et al. 2020), in the design of "A Thousand Ways to Write ZeRO-2"
-    (modded-nanogpt's DistAdam). Each parameter is flattened and zero-padded to a multiple of
-    world_size; rank r owns slice r of it, `shards[p]`, which the optimizer updates
-    (ZeRO2Optimizer). No DDP: unsynced micro-steps accumulate p.grad locally. On the syncing one,
-    a post-accumulate-grad hook launches an asynchronous reduce-scatter of each gradient as soon as
-    autograd has finished it, so communication overlaps the rest of the backward. With
-    exact_reduction the micro-steps' gradients are summed in float64 and reduce-scattered as
-    float64 sums (as ExactDDP), then cast to float32 once."""
+    """ZeRO stage 2 (Rajbhandari et al. 2020), as in "A Thousand Ways to Write ZeRO-2"
+    (modded-nanogpt's DistAdam): rank r owns slice r, `shards[p]`, of each parameter flattened and
+    zero-padded to a multiple of world_size, and ZeRO2Optimizer updates it. Synced gradients are
+    reduce-scattered asynchronously as autograd finishes each; exact_reduction sums as ExactDDP."""
 
     def __init__(self, model, config):
         super().__init__(torch.compile(model) if config.compile else model)
@@ -199,11 +183,11 @@ class ZeRO2(DataParallel):
 
     def clip_grad_norm_(self, parameters, max_norm):
         """Waits for the reduce-scatters of the gradients of `parameters` and clips their slices by
-        the whole gradient's norm, which it returns."""
+        the whole gradient's norm, which it returns. A collective."""
         for p, reduced, work in self.pending:  # in backward order: the earliest launched finish first
             work.wait()
             self.shards[p].grad = reduced.float()
-            p.grad = None  # the whole gradient is no longer needed: ZeRO-2's memory saving
+            p.grad = None  # dropping the whole gradient is ZeRO-2's memory saving
         self.pending = []
         return clip_grad_norm([self.shards[p].grad for p in parameters], max_norm, sharded=True)
 
@@ -231,11 +215,10 @@ class OptimizerOfViews:
 
 
 class ZeRO2Optimizer(OptimizerOfViews):
-    """`optimizer` moved onto ZeRO2's slices: its groups hold each parameter's slice instead, so
-    its state is 1/world_size of ddp's. step() updates the slices (element-wise, the arithmetic of
-    ddp mode) and all-gathers them into every rank's whole parameters. state_dict() and
-    load_state_dict() are collectives, in the inner optimizer's format with each state tensor
-    shaped as its parameter. Load the weights first: the slices are taken from them."""
+    """`optimizer` moved onto ZeRO2's slices, so its state is 1/world_size of ddp's. step() updates
+    the slices and all-gathers them into every rank's whole parameters. step(), state_dict() and
+    load_state_dict() are collectives; the state dicts are in the inner optimizer's format with each
+    state tensor shaped as its parameter. Load the weights first: the slices are taken from them."""
 
     def __init__(self, optimizer, zero2):
         super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
@@ -285,15 +268,11 @@ class ZeRO2Optimizer(OptimizerOfViews):
 
 
 class FSDP(DataParallel):
-    """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe,
-    ln_f), with bf16 parameters on CUDA: each group's weights are all-gathered just before its
-    forward and backward, its gradients reduce-scattered after. The parameters become DTensors,
-    each rank holding whole rows of dim 0. With exact_reduction FSDP accumulates the unsynced
-    micro-steps' gradients in its reduce dtype, float64, and reduce-scatters sums.
-
-    The model's state_dict() gives whole tensors (on rank 0, on the CPU: the others keep none, as
-    torch.distributed.checkpoint's full state dict does) and load_state_dict() takes them, so a
-    checkpoint is the one ddp writes."""
+    """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f),
+    with bf16 parameters on CUDA. The parameters become DTensors, each rank holding whole rows of
+    dim 0. exact_reduction makes float64 the reduce dtype, in which unsynced gradients accumulate.
+    The model's state_dict() gives whole tensors (on rank 0 alone, on the CPU, as
+    torch.distributed.checkpoint's full state dict) and load_state_dict() takes them."""
 
     def __init__(self, model, config, device):
         # imported here: FSDP2 adds to every process's start-up, and only this mode uses it
@@ -306,8 +285,7 @@ class FSDP(DataParallel):
             if exact:
                 module.set_gradient_divide_factor(1.0)  # the loss is divided by all micro-batches
             elif device.type == "cpu":
-                # torch 2.8's gloo returned the sum for ReduceOp.AVG; FSDP's sum-then-divide is
-                # the mean on every version
+                # some torch versions' gloo sums for ReduceOp.AVG; sum-then-divide is right on all
                 module.set_force_sum_reduction_for_comms(True)
         model.register_state_dict_post_hook(gather_whole_tensors)
         model.register_load_state_dict_pre_hook(shard_whole_tensors)
@@ -357,10 +335,9 @@ def shard_like(value, p):
 
 
 class FSDPOptimizer(OptimizerOfViews):
-    """`optimizer`, built over the GPT's parameters before fully_shard, moved onto the DTensors
-    that replaced them (`names` maps each old parameter to its name in `sharded`, the model).
-    state_dict() and load_state_dict() give and take whole tensors in torch.optim's format
-    (state_dict on rank 0 alone, as the model's); both are collectives."""
+    """`optimizer`, built over the GPT's parameters before fully_shard, moved onto the DTensors that
+    replaced them (`names` maps each old parameter to its name in `sharded`). state_dict() and
+    load_state_dict() are collectives giving and taking whole tensors (state_dict on rank 0 only)."""
 
     def __init__(self, optimizer, names, sharded):
         by_name = dict(sharded.named_parameters())

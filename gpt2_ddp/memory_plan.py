@@ -1,18 +1,13 @@
 """
-Memory per rank before anything runs: parameters, gradients, optimizer state and activations, by
-sharding mode, for a config, a world size and a device; and the largest micro-batch that fits.
-train_gpt2.py prints the plan's total before its first step; `python -m scripts.memory_plan` prints
-the table and what fits.
+Memory per rank before anything runs (parameters, gradients, optimizer state, activations) by
+sharding mode, for a config, world size and device, and the largest micro-batch that fits.
+`python -m scripts.memory_plan` prints the table; its --measure checks the plan against a CPU step.
 
-The parameters and the optimizer's state are counted on the model and optimizer that training
-builds, made on the meta device (count()), so another position encoding or optimizer is counted as
-it is. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations,
-that is 16 tensors of s*b*h elements plus two 1-byte dropout masks, without the 5*a*s^2*b of the
-attention matrix, which flash attention does not store. Here the two LayerNorm inputs are the
-float32 residual stream (autocast keeps it in float32): 14 tensors at the activation width (2 bytes
-under CUDA's bf16 autocast, 4 on CPU) and 2 at 4 bytes. scripts/memory_plan.py --measure checks
-the plan against a real CPU step.
+Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations, 16 tensors of s*b*h
+elements plus two 1-byte dropout masks, less the 5*a*s^2*b attention matrix that flash attention
+does not store. Here the two LayerNorm inputs are the float32 residual stream: 14 tensors at the
+activation width (2 bytes under CUDA's bf16 autocast, 4 on CPU) and 2 at 4 bytes.
 """
 
 import dataclasses
@@ -24,10 +19,9 @@ GB = 2**30
 
 
 def count(model, optimizer):
-    """What the plan needs of a GPT and its optimizer, both on the meta device: the parameters'
-    number and bytes, the optimizer state's bytes (after one step, which allocates it), and the
-    numbers of elements in the matmul weights (the bf16 copies autocast makes), in the parameters
-    outside the blocks, and in one block (FSDP gathers the root and two blocks at a time)."""
+    """The plan's counts of a GPT and its optimizer on the meta device (stepped once to allocate its
+    state): "params", "param_bytes", "optimizer_bytes", and the numels "matmul" (Linear weights),
+    "root" (outside the blocks) and "block" (one block)."""
     params = list(model.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -43,9 +37,8 @@ def count(model, optimizer):
 
 
 def extra_copies(config, world_size):
-    """Copies of (the parameters, the gradients) a sharding mode keeps besides them, in units of
-    the whole model: zero2's slices of both; DDP's buckets hold a copy of the gradients unless
-    gradient_as_bucket_view makes them the gradients' storage."""
+    """(parameter, gradient) copies a sharding mode keeps besides the model's own, in units of the
+    whole model: zero2's slices of both; DDP's gradient buckets unless gradient_as_bucket_view."""
     if config.sharding == "zero2":
         return 1 / world_size, 1 / world_size
     if config.sharding == "ddp":
@@ -55,16 +48,15 @@ def extra_copies(config, world_size):
 
 def plan(config, world_size, device_type, counts):
     """Bytes per rank, by part, of a training step of `config` on `world_size` ranks of
-    `device_type` ("cuda": bf16 autocast; anything else: float32), `counts` from count(). Returns
+    `device_type` ("cuda": bf16 autocast; else float32), `counts` from count(). Returns
     {part: bytes} whose last entry, "total", is their sum. With W = world_size:
-      parameters: fsdp shards them (/W); zero2 adds its slices; on CUDA the bf16 copies that
-        autocast (ddp, zero2) or FSDP's all-gathers (the root and two blocks) keep for the backward;
-      gradients: as the parameters (fsdp /W), with ddp's buckets or zero2's slices (extra_copies);
-        exact_reduction's float64 sums twice that (fsdp /W);
-      optimizer state: the optimizer's own, divided by W in zero2 and fsdp;
-      activations: saved for the backward of one micro-batch (see the module docstring);
-      logits: the (B, T, vocab) tensors alive at once around the loss.
-    """
+      parameters: /W in fsdp, plus zero2's slices, plus on CUDA the bf16 copies kept for the
+        backward (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
+      gradients: as the parameters (/W in fsdp) plus extra_copies; exact_reduction's float64 sums
+        twice that;
+      optimizer state: the optimizer's own, /W in zero2 and fsdp;
+      activations: saved for the backward of one micro-batch (module docstring);
+      logits: the (B, T, vocab) tensors alive at once around the loss."""
     W, P = world_size, counts["param_bytes"]
     s, b, h = config.seq_len, config.micro_batch_size, config.n_embd
     cuda = device_type == "cuda"
@@ -91,9 +83,8 @@ def plan(config, world_size, device_type, counts):
 
 
 def max_micro_batch(config, world_size, device_type, counts, memory_bytes, usable=0.9):
-    """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is
-    left to the CUDA context, the allocator's fragmentation and the kernels' workspaces); 0 if
-    not even one sequence fits."""
+    """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is for
+    the CUDA context, fragmentation and kernel workspaces); 0 if not even one sequence fits."""
     one = plan(dataclasses.replace(config, micro_batch_size=1), world_size, device_type, counts)
     per_sequence = one["activations"] + one["logits"]
     room = usable * memory_bytes - (one["total"] - per_sequence)

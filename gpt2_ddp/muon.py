@@ -2,13 +2,11 @@
 Muon (Jordan et al. 2024) for matrices that data parallelism may split over ranks, and Chain, which
 steps AdamW and Muon as one optimizer, as nanochat pairs them.
 
-Each parameter Muon updates is this rank's view of a matrix: the whole matrix (ddp), a DTensor's
-dim-0 shard (fsdp), or a flat slice of the flattened matrix that carries the matrix's shape as
-`whole_shape` (zero2). Momentum is element-wise, so each rank keeps it for its own view.
-Newton-Schulz needs the whole matrix: each matrix has one owner rank, the ranks' work balanced; the
-views' updates go to the owner, which orthogonalizes the matrix once and hands every rank its view
-of the result (ddp: a broadcast; fsdp and zero2: a gather and a scatter of equal zero-padded pieces
-that tile the flattened matrix). Every rank computes the same owners, so none needs to be told.
+Each parameter is this rank's view of a matrix: the whole matrix (ddp), a DTensor's dim-0 shard
+(fsdp), or a flat slice carrying the matrix's shape as `whole_shape` (zero2). Momentum is
+element-wise, so each rank keeps its view's. Newton-Schulz needs the whole matrix, so each matrix
+has an owner rank that gathers the views' updates, orthogonalizes the matrix and hands every rank
+its view of the result. Every rank computes the same load-balanced owners.
 """
 
 import math
@@ -18,18 +16,16 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.profiler import record_function
 
-# Newton-Schulz's quintic coefficients, five steps and momentum 0.95 with Nesterov: Keller Jordan's
-# Muon (github.com/KellerJordan/Muon), modded-nanogpt, nanochat, torch.optim.Muon
+# as in Keller Jordan's Muon (github.com/KellerJordan/Muon), modded-nanogpt, nanochat, torch.optim.Muon
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 MUON_MOMENTUM = 0.95
 
 
 def orthogonalize(G, steps=NS_STEPS, eps=1e-7):
-    """The nearest semi-orthogonal matrix to each of G's (S, m, n) matrices, approximately: the
-    quintic Newton-Schulz iteration of Muon, in bfloat16, as torch.optim.Muon's
-    _zeropower_via_newtonschulz but over a batch. Its singular values come out in about
-    [0.7, 1.2], not exactly 1, which does not hurt training (ibid.). Returns (S, m, n) bfloat16."""
+    """About the nearest semi-orthogonal matrix to each of G's (S, m, n) matrices, as (S, m, n)
+    bfloat16: Muon's quintic Newton-Schulz, torch.optim.Muon's _zeropower_via_newtonschulz batched.
+    Singular values land in about [0.7, 1.2], which does not hurt training."""
     a, b, c = NS_COEFFICIENTS
     X = G.bfloat16()
     tall = X.size(-2) > X.size(-1)
@@ -57,14 +53,11 @@ def when_done(work, result):
 
 
 class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz: SGD with Nesterov momentum whose update of each
-    matrix is orthogonalize()d and scaled by sqrt(max(1, rows / cols)), with decoupled weight
-    decay: torch.optim.Muon's step (adjust_lr_fn "original"), for views of matrices (see the module
-    docstring). A group's `splits` stacks that many matrices by rows in each parameter (c_attn's q,
-    k and v), each orthogonalized alone, as modded-nanogpt and nanochat split them.
-
-    step() is a collective under torch.distributed: every rank calls it.
-    """
+    """SGD with Nesterov momentum whose update of each matrix is orthogonalize()d and scaled by
+    sqrt(max(1, rows / cols)), with decoupled weight decay: torch.optim.Muon's step (adjust_lr_fn
+    "original"), for views of matrices. A group's `splits` stacks that many matrices by rows in each
+    parameter (c_attn's q, k and v), each orthogonalized alone, as modded-nanogpt and nanochat do.
+    step() is a collective under torch.distributed: every rank calls it."""
 
     def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -163,9 +156,8 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain:
-    """Several optimizers over disjoint parameters, stepped as one (AdamW and Muon). param_groups,
-    state and state_dict() number the parameters as one torch optimizer over all their groups, in
-    order, would."""
+    """Several optimizers over disjoint parameters (AdamW and Muon), stepped as one. param_groups,
+    state and state_dict() number parameters as one torch optimizer over all their groups would."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers

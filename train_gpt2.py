@@ -328,9 +328,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def flops_per_token(self, T):
-        """Training FLOPs per token at sequence length T, by nanoGPT's convention (PaLM, appendix
-        B): 6N for the forward and backward matmuls, N the parameters without wpe (a lookup), plus
-        12 * n_layer * n_head * head_dim * T for attention's QK^T and AV."""
+        """Training FLOPs per token at sequence length T (PaLM, appendix B, as nanoGPT): 6N for the
+        matmuls, N the parameters but wpe (a lookup), plus 12 * n_layer * n_embd * T for attention."""
         N = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
         cfg = self.config
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
@@ -400,10 +399,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, source, device="cpu"):
-        """A GPT in eval mode on `device`, its Config at .config, from `source`: a checkpoint file
-        of train_gpt2.py, an out_dir (its newest ckpt_*.pt), a Hugging Face GPT-2 directory, or a
-        hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl). Raises UserError for a source that is
-        none of these or cannot be read."""
+        """A GPT in eval mode on `device` from `source`, as gpt2_weights.load_weights reads it: a
+        checkpoint or out_dir of ours, a Hugging Face GPT-2 directory, or a hub name (gpt2...).
+        Raises UserError for a source that is none of these or cannot be read."""
         shape, state = gpt2_weights.load_weights(source)
         model = cls(Config(**shape))
         check_weights(state, model.state_dict(), source)
@@ -420,12 +418,10 @@ def check_weights(state, expected, source):
 
 
 def init_from(config, weights=True):
-    """Resolves config.init_from for a run of `config`: (config, None) for scratch; else config
-    with the checkpoint's model shape (load_weights: OpenAI's GPT-2, a Hugging Face directory, or
-    a checkpoint or out_dir of ours), and its state dict (None without `weights`: a run that
-    resumes takes its weights from its own checkpoint). The model keys a user leaves at their
-    defaults take the checkpoint's values; one set to another value than the checkpoint's is
-    refused with UserError, as is seq_len > block_size."""
+    """(config with init_from's model shape, its state dict): (config, None) for scratch, and no
+    state dict without `weights` (a run that resumes takes its own). Model keys left at their
+    defaults take the checkpoint's values; raises UserError for one set otherwise, or for seq_len
+    > block_size."""
     if config.init_from == "scratch":
         return config, None
     shape, state = gpt2_weights.load_weights(config.init_from, weights)
@@ -778,9 +774,8 @@ def sample(model, prompt, config, step, device):
 
 
 def save_checkpoint(out, step, raw_model, optimizer, config, train_loader, evaluated):
-    """Saves the checkpoint of `step` (checkpoints.OutDir.save) and returns its step. Every rank
-    calls it: the sharded swap-ins gather their state into whole tensors, and all ranks stop if
-    the save fails."""
+    """Saves the checkpoint of `step` (OutDir.save) and returns its step. A collective: the sharded
+    swap-ins gather whole tensors, and every rank stops if the save fails."""
     state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
              "config": dataclasses.asdict(config), "step": step, "loader": train_loader.state_dict(),
              "evaluated": evaluated}
@@ -814,11 +809,10 @@ MAX_SKIPPED_STEPS = 3  # updates skipped for a non-finite loss or gradient, in a
 
 
 def parallelize(raw_model, config, device):
-    """(model, optimizer, clip_grad_norm_) of a run: raw_model compiled and wrapped in DDP (under
-    torchrun), its optimizer, and torch's clipping; or for sharding=zero2 or fsdp, or with
-    exact_reduction, the swap-ins of gpt2_ddp/data_parallel.py, which present DDP's interface and
-    torch.optim's and bring their own clipping where torch's norm would be wrong (sliced gradients,
-    float64 sums)."""
+    """(model, optimizer, clip_grad_norm_): raw_model compiled and wrapped in DDP under torchrun,
+    its optimizer and torch's clipping; or for zero2, fsdp or exact_reduction the swap-ins of
+    gpt2_ddp/data_parallel.py, which present DDP's and torch.optim's interfaces and clip by their
+    own norm where torch's would be wrong (sliced gradients, float64 sums)."""
     optimizer = raw_model.configure_optimizers(config, device.type)
     if config.sharding != "ddp" or config.exact_reduction:
         model, optimizer = data_parallel.wrap(raw_model, optimizer, config, device)
@@ -840,9 +834,8 @@ def parallelize(raw_model, config, device):
 
 
 def train(config, rank, world_size, device):
-    """Trains `config` on this rank of world_size (a collective from start to end): sets up
-    out_dir, data, model, DDP or its swap-in, and the optimizer, resumes, and runs the loop.
-    Returns the exit code: 0, or 128 + the signal that stopped it. Raises UserError, on every rank."""
+    """Trains `config` on this rank of world_size, a collective from start to end. Returns the exit
+    code: 0, or 128 + the signal that stopped it. Raises UserError, on every rank."""
     grad_accum = grad_accum_steps(config, world_size)
     micro_batches_per_step = grad_accum * world_size
     log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens = "

@@ -193,8 +193,10 @@ class ZeRO2(DataParallel):
 
 
 class OptimizerOfViews:
-    """torch.optim's interface for `optimizer`, whose groups now hold other views of `params`
-    (the parameters it was built over, in its groups' order)."""
+    """torch.optim's interface for `optimizer`, whose groups now hold another view of each of
+    `params` (the parameters it was built over, in its groups' order). state_dict() and
+    load_state_dict() turn the views' per-element state into whole tensors (whole()) and back
+    (view()), so that the state dicts are those of `optimizer` over `params`."""
 
     def __init__(self, optimizer, params):
         self.optimizer, self.params = optimizer, params
@@ -212,6 +214,17 @@ class OptimizerOfViews:
 
     def step(self):
         self.optimizer.step()
+
+    def state_dict(self):
+        inner = self.optimizer.state_dict()
+        state = {i: {key: self.whole(value, self.params[i]) if torch.is_tensor(value) and value.dim()
+                     else value for key, value in s.items()} for i, s in inner["state"].items()}
+        return {"state": state, "param_groups": inner["param_groups"]}
+
+    def load_state_dict(self, full_state):
+        state = {i: {key: self.view(value, self.params[i]) if torch.is_tensor(value) and value.dim()
+                     else value for key, value in s.items()} for i, s in full_state["state"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
 
 
 class ZeRO2Optimizer(OptimizerOfViews):
@@ -239,28 +252,20 @@ class ZeRO2Optimizer(OptimizerOfViews):
                 work.wait()
                 p.copy_(full)
 
-    def state_dict(self):
-        inner = self.optimizer.state_dict()
-        state = {i: {key: self.gather_whole(value, self.params[i]) for key, value in s.items()}
-                 for i, s in inner["state"].items()}
-        return {"state": state, "param_groups": inner["param_groups"]}
-
-    def gather_whole(self, value, p):
-        """A state entry of p's slice, all-gathered into p's shape if it is per-element; a scalar
-        (AdamW's step) as it is."""
-        if not torch.is_tensor(value) or value.dim() == 0:
-            return value
+    def whole(self, value, p):
+        """A state tensor of p's slice, all-gathered into p's shape."""
         work, full = self.zero2.gather(value, p)
         work.wait()
         return full.clone()  # without the padding
+
+    def view(self, value, p):
+        return self.zero2.shard_of(value).clone()
 
     def load_state_dict(self, full_state):
         with torch.no_grad():
             for p in self.params:
                 self.zero2.shards[p].copy_(self.zero2.shard_of(p))
-        state = {i: {key: self.zero2.shard_of(value).clone() if torch.is_tensor(value) and value.dim()
-                     else value for key, value in s.items()} for i, s in full_state["state"].items()}
-        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
+        super().load_state_dict(full_state)
 
 
 # -----------------------------------------------------------------------------
@@ -345,15 +350,10 @@ class FSDPOptimizer(OptimizerOfViews):
             group["params"] = [by_name[names[p]] for p in group["params"]]
         super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
 
-    def state_dict(self):
-        inner = self.optimizer.state_dict()
-        state = {i: {key: value.full_tensor() if hasattr(value, "full_tensor") else value
-                     for key, value in s.items()} for i, s in inner["state"].items()}
-        master = dist.get_rank() == 0
-        return {"state": {i: {key: value.cpu() for key, value in s.items()} for i, s in state.items()}
-                if master else {}, "param_groups": inner["param_groups"]}
+    def whole(self, value, p):
+        """A state DTensor all-gathered, on the CPU on rank 0; None on the others, which save nothing."""
+        whole = value.full_tensor()
+        return whole.cpu() if dist.get_rank() == 0 else None
 
-    def load_state_dict(self, full_state):
-        state = {i: {key: shard_like(value, self.params[i]) if torch.is_tensor(value) and value.dim()
-                     else value for key, value in s.items()} for i, s in full_state["state"].items()}
-        self.optimizer.load_state_dict({"state": state, "param_groups": full_state["param_groups"]})
+    def view(self, value, p):
+        return shard_like(value, p)

@@ -1,9 +1,6 @@
 """
-Benchmarks short trainings of one config in several variants and prints one table: tokens/s
-(median of the steps after warm-up), ms/step, MFU, peak GPU memory, and where a step's time goes
-(data, forward and backward, waiting for the gradient all-reduce, optimizer, and of that
-Muon's Newton-Schulz iterations on the matrices rank 0 owns), the optimizer state one rank holds,
-and the bytes one rank hands to collectives per step.
+Benchmarks short trainings of one config in several variants and prints one table: tokens/s, ms/step,
+MFU, peak GPU memory, where a step's time goes, and one rank's optimizer state and collective traffic.
 
     python -m scripts.bench configs/gpt2_124m.toml --nproc 1                  # one GPU
     python -m scripts.bench configs/gpt2_124m.toml --nproc 8 --steps 20       # 8 GPUs
@@ -12,12 +9,10 @@ and the bytes one rank hands to collectives per step.
     python -m scripts.bench configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
     python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
 
-Each variant is a run of train_gpt2.py (torchrun when --nproc > 1) with the config, the variant's
-overrides, `--profile=true` and the extra `--key=value` arguments given here. Steps 3-5 are
-profiled by torch.profiler (rank 0's trace is written to {out}/{variant}/trace_rank0.json, open it
-in chrome://tracing or perfetto) and give the time split; the tokens/s median is taken over
-the unprofiled steps after them. The all-reduce wait is the extra time of the last micro-step,
-the one that syncs, over the others (so it needs grad_accum_steps > 1; '-' otherwise).
+Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra
+`--key=value` arguments. Profiled steps 3-5 give the time split, with rank 0's trace in
+{out}/{variant}/trace_rank0.json, and tokens/s is the median of the steps after them. The all-reduce
+wait is the syncing micro-step's extra time over the others ('-' when grad_accum_steps is 1).
 """
 
 import json
@@ -45,8 +40,7 @@ VARIANTS = {
 
 
 def parse_variant(spec):
-    """'name' from VARIANTS, or 'name:--key=value,--key=value' for a custom one: (name, its
-    train_gpt2.py overrides). Raises UserError for a name that is not in VARIANTS."""
+    """(name, overrides) of 'name' or 'name:--key=value,...'. Raises UserError for an unknown name."""
     name, _, overrides = spec.partition(":")
     if overrides:
         return name, overrides.split(",")
@@ -57,15 +51,13 @@ def parse_variant(spec):
 
 
 def plan(specs, micro_batch_sizes):
-    """(name, train_gpt2.py overrides) of each run: the variants of `specs` (parse_variant), then
-    the config at each of micro_batch_sizes. Raises UserError for an unknown variant."""
+    """(name, overrides) of each variant and micro-batch size. Raises UserError for an unknown variant."""
     return ([parse_variant(spec) for spec in specs]
             + [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes])
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant, showing its progress on stderr (runs.train); returns its log records
-    and the path of the master's trace. Raises UserError with the run's output if it fails."""
+    """Trains one variant; returns its log records and rank 0's trace path. Raises UserError if it fails."""
     out = Path(args.out_dir) / name
     if out.exists():
         shutil.rmtree(out)
@@ -80,12 +72,8 @@ def run(name, overrides, args, train_args):
 
 
 def time_split(events):
-    """Per-step milliseconds of the loop's record_function ranges in the profiled steps.
-
-    GPU time (gpu_user_annotation) where the trace has it, else CPU time (user_annotation).
-    Returns data, fwd_bwd, allreduce_wait (None without a non-syncing micro-step), optimizer,
-    newton_schulz (None without Muon).
-    """
+    """Per-step ms (GPU time where the trace has it) of data, fwd_bwd, allreduce_wait (None without
+    a non-syncing micro-step), optimizer and newton_schulz (None without Muon), as a dict."""
     cat = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
            else "user_annotation")
     durations = {}
@@ -107,14 +95,9 @@ ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "l
 
 
 def comm_bytes(events):
-    """Bytes the master hands to collectives per profiled step: each all-reduce's tensor, each
-    reduce-scatter's input and each all-gather's output, and Muon's bfloat16 pieces (broadcast
-    in ddp; gathered to and scattered from owners in zero2 and fsdp, this rank's piece), from the
-    c10d ops of a trace recorded with shapes. c10d's all-reduce records a tensor list without its
-    dtype; the backend's own event for it (gloo:all_reduce, nccl:all_reduce) has it, matched by
-    element count."""
+    """Bytes rank 0 hands to collectives per profiled step, from a trace recorded with shapes."""
     ops = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")]
-    all_reduce_types = {}
+    all_reduce_types = {}  # c10d's all-reduce event lacks the dtype that the backend's event has
     for e in events:
         if e.get("ph") == "X" and e.get("name") in ("gloo:all_reduce", "nccl:all_reduce"):
             dims, types = e["args"]["Input Dims"], e["args"]["Input type"]
@@ -128,8 +111,7 @@ def comm_bytes(events):
         elif e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
             total += max(math.prod(d) for d in dims[:2]) * ELEMENT_BYTES.get(types[0], 4)
         elif e["name"] in ("c10d::broadcast_", "c10d::scatter_", "c10d::gather_"):
-            # this rank's piece: the gather's input, the scatter's output, the broadcast's tensor
-            piece = dims[1][0] if e["name"] == "c10d::gather_" else dims[0][0]
+            piece = dims[1][0] if e["name"] == "c10d::gather_" else dims[0][0]  # this rank's piece
             total += math.prod(piece) * 2
     return total / PROFILED_STEPS
 

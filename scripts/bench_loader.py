@@ -4,14 +4,10 @@ Host memory and speed of train_gpt2.DataLoader as the shards grow: its memory sh
     python -m scripts.bench_loader                             # shards of 1e6, 1e7, 5e7 tokens
     python -m scripts.bench_loader --sizes 1e6 1e8 --batches 500 --tmp_dir /mnt/scratch
 
-For each size it writes one val and one train shard of random GPT-2 token ids with
-shards.write_shard into a temp dir under --tmp_dir, then, in a fresh Python process (so
-that the peak RSS of one size does not carry over to the next), builds the loader on the train
-split (device cpu) and reads --batches micro-batches of B x T, spread evenly over the whole
-shard, with next_batch(). It reports the peak RSS (VmHWM, see peak_rss_mb) before the loader
-exists, after it is built and after the batches; growth = after - before, so it covers both
-construction and reading. A loader that read a whole shard into RAM would grow by the shard's
-size (x4 as int64). The shards are freshly written, so they are read from the page cache.
+For each size a fresh process builds the CPU loader on a new shard of random tokens (in the page
+cache) and reads --batches micro-batches of B x T spread over it. RSS columns are the peak RSS (VmHWM)
+before the loader, after building it and after reading, and growth = after - before. A loader that
+read the whole shard into RAM would grow by its size (x4 as int64).
 """
 
 import argparse
@@ -32,11 +28,8 @@ from gpt2_ddp.configurator import UserError
 
 
 def peak_rss_mb():
-    """This process's peak RSS in MiB: VmHWM where /proc has it, else getrusage's ru_maxrss.
-
-    On Linux ru_maxrss survives exec, so a child started from a big parent reports the parent's
-    peak (here, the parent that wrote the shards); VmHWM counts this process's own pages only.
-    """
+    """This process's peak RSS in MiB: VmHWM where /proc has it, else ru_maxrss, which on Linux
+    survives exec and so would report the shard-writing parent's peak."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024

@@ -1,22 +1,15 @@
 """
-Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers'
-GPT2LMHeadModel.generate, on the same random weights.
+Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers' GPT2LMHeadModel's.
 
     python -m scripts.bench_sample                                  # 124M, 200 and 1000 tokens
     python -m scripts.bench_sample --new_tokens 200 --repeats 3
     python -m scripts.bench_sample --devices cuda                   # the GPU alone
     python -m scripts.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
 
-A GPT of the given shape (GPT-2 124M by default, vocab_size 50304) is initialized from --seed,
-and transformers' GPT-2 is built from its state dict (Conv1D weights transposed), so both compute
-the same function: the script prints the largest difference of their logits on the prompt.
-Both draw --new_tokens after the same random 16-token prompt, batch 1, top_k 50, temperature 1,
-float32; transformers with min_new_tokens=max_new_tokens, so it never stops at <|endoftext|>.
-Ours samples as scripts/sample.py does, with GPT.use_decoding_layout() (a no-op off CPU).
-Each setting (CPU at 1 thread, CPU at all of torch's threads, CUDA when present) runs one
-untimed warm-up of each, then --repeats rounds that time ours, then theirs. tok/s counts the new
-tokens over the wall time of the whole call, prefill included. transformers is needed only here
-and in the tests: pip install transformers.
+Both hold the same random weights (GPT-2 124M's shape by default), so the first line's largest logits
+difference should be tiny. Each samples --new_tokens after one random 16-token prompt, batch 1, top_k
+50, never stopping at <|endoftext|>. tok/s is the new tokens over the whole call's wall time, prefill
+included, after a warm-up. Needs transformers (pip install transformers).
 """
 
 import copy
@@ -36,8 +29,7 @@ TOP_K = 50
 
 
 def hf_twin(model):
-    """transformers' GPT2LMHeadModel (eval mode, float32, on model's device) holding the weights
-    of `model`, a train_gpt2.GPT. Raises UserError when transformers is not installed."""
+    """transformers' GPT2LMHeadModel holding model's weights. Raises UserError without transformers."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -82,8 +74,7 @@ def theirs(hf, prompt, new_tokens, seed):
 
 
 def settings(cpu_threads, devices):
-    """(name, device, threads) of each setting: for "cpu" in devices, CPU at 1 thread and at
-    cpu_threads; for "cuda", CUDA."""
+    """(name, device, threads) of each setting: CPU at 1 and at cpu_threads threads, then CUDA."""
     rows = [(f"cpu, {n} thread{'s' * (n > 1)}", torch.device("cpu"), n)
             for n in sorted({1, cpu_threads}) if "cpu" in devices]
     if "cuda" in devices:
@@ -97,8 +88,7 @@ def spread(tok_per_s):
 
 
 def time_setting(name, model, hf, prompt, args):
-    """The table's rows of one setting, one per --new_tokens: after one warm-up call of each
-    (first-call allocations and dispatch), --repeats rounds of ours, then theirs."""
+    """The table's rows of one setting, one per --new_tokens, timed after a warm-up call of each."""
     ours(model, prompt, 8, args.seed)
     theirs(hf, prompt, 8, args.seed)
     rows = []
@@ -157,7 +147,6 @@ def main(argv):
     try:
         for name, device, threads in settings(cpu_threads, args.devices):
             torch.set_num_threads(threads)
-            # as scripts/sample.py samples: from_pretrained's model in the decoding layout
             sampler = copy.deepcopy(model).to(device).use_decoding_layout()
             rows += time_setting(name, sampler, hf.to(device), prompt.to(device), args)
             del sampler

@@ -5,14 +5,10 @@ Tokenization throughput of prepare_data.py's pipeline against tiktoken's own bat
     python -m scripts.bench_tokenizer --workers 1 2 4 --trials 5
     python -m scripts.bench_tokenizer --input corpus.txt --repeat 1
 
-Documents are the paragraphs (split at blank lines) of assets/tinyshakespeare.txt, or of --input,
-repeated --repeat times. For each worker count N it times, on the same documents:
-  tiktoken      enc.encode_ordinary_batch(docs, num_threads=N)  (threads in one process)
-  prepare_data  the pipeline prepare_data._tokenized(docs, N)   (N processes; with N > 1 this
-                includes the pool's start and moving the arrays between processes)
-and prints the best of --trials runs after one warm-up. ratio = prepare_data / tiktoken tokens/s
-at the same N. prepare_data prepends <|endoftext|> to every document, so its count is one token
-per document higher; the script checks that.
+Documents are the paragraphs of assets/tinyshakespeare.txt (or --input), repeated --repeat times.
+Each worker count N times tiktoken's encode_ordinary_batch(docs, num_threads=N) and prepare_data's
+_tokenized(docs, N) (N processes, pool start included), best of --trials after a warm-up. ratio =
+prepare_data / tiktoken tokens/s. prepare_data counts one more token per document, its <|endoftext|>.
 """
 
 import os
@@ -57,8 +53,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     docs = load_docs(args.input, args.repeat)
-    # built here once; with the fork start method the pool's workers inherit it already built
-    enc = prepare_data.gpt2_encoding()
+    enc = prepare_data.gpt2_encoding()  # built once here so that forked pool workers inherit it
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     print(f"{len(docs)} documents, {n_bytes / 1e6:.1f} MB of text, {os.cpu_count()} CPU cores, "
           f"best of {args.trials} after 1 warm-up")

@@ -1,7 +1,6 @@
 """
-Writes a train_gpt2.py checkpoint as a Hugging Face GPT-2 directory: config.json,
-model.safetensors, and GPT-2's tokenizer (vocab.json, merges.txt) derived from
-assets/gpt2.tiktoken. `transformers` then loads it with no network:
+Writes a train_gpt2.py checkpoint as a Hugging Face GPT-2 directory (config.json, model.safetensors
+and GPT-2's tokenizer) that `transformers` loads with no network:
 
     python -m scripts.export_hf out/shakespeare_cpu out/shakespeare_cpu_hf  # an out_dir's latest
     python -m scripts.export_hf out/gpt2_124m/ckpt_0019073.pt gpt2-124m-repro

@@ -1,31 +1,21 @@
 """
-One command for a GPU machine, with nothing but the repo: makes its data without the network,
-runs the CUDA tests, and measures GPT-2 124M on one GPU; writes report.md and each part's log
-into REPORT_DIR.
+One command for a GPU machine with nothing but the repo: runs the CUDA tests and measures GPT-2 124M
+on one GPU, without the network, and writes report.md and each part's log into REPORT_DIR.
 
     python -m scripts.gpu_check REPORT_DIR                  # every part
     python -m scripts.gpu_check REPORT_DIR --part tests     # some parts (--part compile modes)
     python -m scripts.gpu_check REPORT_DIR --dry_run        # print the plan, run nothing (any machine)
     python -m scripts.gpu_check REPORT_DIR --tiny           # every part, toy-sized, on the CPU
 
-The parts (PARTS below), each with a time limit that kills a hang, its processes and all:
-  tests    python -m pytest tests/test_cuda.py: every CUDA path (bf16, compile, flash attention,
-           NCCL in ddp/zero2/fsdp, exact mode, the memory plan, HellaSwag, checkpoints, Muon)
-  compile  scripts/bench.py on configs/gpt2_124m.toml: eager against torch.compile at micro-batch
-           32, and compiled at 16
-  modes    the same: ddp, zero2, fsdp at world size 1, exact_reduction's cost, Muon's cost
-  sample   scripts/bench_sample.py: the KV-cache sampler against transformers' on the GPU
+The parts, each killed with its processes past its time limit: tests (tests/test_cuda.py), compile
+(scripts/bench.py on configs/gpt2_124m.toml: eager against torch.compile), modes (the same: ddp, zero2,
+fsdp, exact_reduction and Muon) and sample (scripts/bench_sample.py against transformers' on the GPU).
+The benchmarks train on the embedded tiny shakespeare corpus with HellaSwag off, 131,072 tokens a
+step. Their data, runs and profiler traces go to out/gpu_check/ (--scratch).
 
-The benchmarks train on the embedded tiny shakespeare corpus (prepare_data.py, which needs no
-`datasets`; speed does not depend on the tokens) with HellaSwag off, 131,072 tokens a step:
-micro-batch 32 x 1024 needs 32,769 val tokens, and the corpus's val split has 33,802. Their
-data and runs (their profiler traces too) go to out/gpu_check/ (--scratch).
-
-REPORT_DIR gets at most 6 files: report.md, results.json (what report.md is made from; parts run
-by separate commands into one folder add up) and {part}.log. report.md has a table of the parts
-(passed, failed, timed out), the tests' summary, each benchmark's table (tokens/s, MFU, memory,
-where a step's time goes) and, for a part that failed, the end of its log. docs/perf.md says
-what each column means; the goal for 124M on one H100 is 50% MFU.
+REPORT_DIR gets report.md, results.json (parts run into it by separate commands add up) and {part}.log.
+report.md holds the parts' results, the tests' summary, each benchmark's table (docs/perf.md explains
+it) and a failed part's log tail. The goal for 124M on one H100 is 50% MFU.
 """
 
 import datetime
@@ -44,14 +34,12 @@ from gpt2_ddp.configurator import UserError
 
 PYTHON = sys.executable
 CONFIG = "configs/gpt2_124m.toml"
-# the benchmarks' batch: micro-batch 32 fits the corpus's val split (and an H100 at 124M)
+# micro-batch 32 fits the corpus's val split and an H100 at 124M
 BENCH_TRAIN_ARGS = ["--hellaswag_interval=0", "--micro_batch_size=32", "--total_batch_size=131072"]
-# --tiny: a 1-layer GPT with GPT-2's vocabulary on the CPU
 TINY_TRAIN_ARGS = ["--hellaswag_interval=0", "--n_layer=1", "--n_head=2", "--n_embd=32",
                    "--seq_len=32", "--micro_batch_size=2", "--total_batch_size=128",
                    "--device=cpu", "--compile=false"]
-# each benchmark part's bench.py --variants and --micro_batch_sizes
-BENCHES = {"compile": (["eager", "compile"], [16]),
+BENCHES = {"compile": (["eager", "compile"], [16]),  # (bench.py --variants, --micro_batch_sizes)
            "modes": (["ddp", "zero2", "fsdp", "ddp_exact:--exact_reduction=true", "muon"], [])}
 
 
@@ -61,8 +49,7 @@ def prepare(scratch):
 
 
 def bench_runs(part, tiny):
-    """(variants, micro_batch_sizes) of a part's benchmark; tiny: its first variant alone
-    (seconds per run on a CPU)."""
+    """(variants, micro_batch_sizes) of a part's benchmark, only its first variant when tiny."""
     variants, micro_batch_sizes = BENCHES[part]
     return (variants[:1], []) if tiny else (variants, micro_batch_sizes)
 
@@ -81,8 +68,7 @@ def bench(part, tiny, scratch):
             "--out_dir", f"{scratch}/{part}"]
 
 
-# name: (time limit in seconds, what it measures, its commands for (tiny, scratch))
-PARTS = {
+PARTS = {  # name: (time limit in seconds, what it measures, its commands for (tiny, scratch))
     "tests": (480, "every CUDA path as a test (tests/test_cuda.py)", lambda tiny, scratch: [
         [PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
          *(["-k", "kv_cache"] if tiny else [])]]),
@@ -105,8 +91,7 @@ def shell(command):
 
 
 def check_plan(tiny, scratch):
-    """Loads every benchmark run's train_gpt2.py config, as bench.py will build it: a bad key,
-    variant or batch fails here, before a GPU spends minutes. Raises UserError."""
+    """Loads each benchmark run's config. Raises UserError for a bad key, variant or batch."""
     from scripts import bench
     from train_gpt2 import grad_accum_steps, load_config
     for part in BENCHES:
@@ -130,9 +115,8 @@ def print_plan(parts, tiny, report_dir, scratch):
 
 
 def run_command(command, log, deadline):
-    """Runs command in the repo root, its output appended to `log` (a file) and echoed; returns
-    (exit code or "timed out", its stdout). Past `deadline` (time.monotonic()) its whole process
-    group is killed: torchrun's workers and bench.py's runs go with it."""
+    """Runs command in the repo root, its output appended to `log` and echoed; returns (exit code or
+    "timed out", stdout). Past `deadline` (time.monotonic()) its whole process group is killed."""
     log.write(f"$ {shell(command)}\n")
     log.flush()
 

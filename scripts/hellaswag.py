@@ -1,6 +1,5 @@
 """
-Scores a model on HellaSwag's validation split (10042 examples), as build-nanogpt and llm.c score
-it (gpt2_ddp/hellaswag.py says how):
+Scores a model on HellaSwag's validation split (10042 examples) as build-nanogpt and llm.c do:
 
     python -m scripts.hellaswag gpt2                  # 0.2955 acc_norm in build-nanogpt (gpt2-xl: 0.4893)
     python -m scripts.hellaswag out/gpt2_124m         # the latest checkpoint of a run

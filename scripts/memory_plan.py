@@ -6,8 +6,7 @@ largest micro-batch that fits, by sharding mode and activation checkpointing:
     python -m scripts.memory_plan configs/gpt2_774m.toml --sharding=fsdp --activation_checkpointing=true
     python -m scripts.memory_plan configs/shakespeare_cpu.toml --device cpu --world_size 1 --measure
 
---measure also runs one training step of the config in this process on the CPU and counts what it
-holds, as the plan names the parts.
+--measure also runs one training step on the CPU and counts what it holds, by the plan's parts.
 """
 
 import dataclasses
@@ -23,10 +22,8 @@ SHARDINGS = ("ddp", "zero2", "fsdp")
 
 
 def measure(config):
-    """One training forward, backward and optimizer step of `config` on the CPU, one process: the
-    bytes of parameters, gradients and optimizer state held, and of the tensors saved for the
-    backward (each storage once, parameters excluded). With activation checkpointing, the
-    activations add those one block saves when the backward recomputes it."""
+    """Bytes of parameters, gradients, optimizer state and saved activations (each storage once),
+    as a dict, after one training step of `config` on the CPU in this process."""
     torch.manual_seed(0)
     model = GPT(config).train()
     idx = torch.randint(0, config.vocab_size, (config.micro_batch_size, config.seq_len))

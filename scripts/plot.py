@@ -1,7 +1,6 @@
 """
-Plots one or more runs' log.jsonl into a PNG: train loss (raw and smoothed) and val loss,
-HellaSwag acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient
-norm. Several runs are overlaid, each named by its directory.
+Plots runs' log.jsonl into one PNG, overlaid and named by directory: train and val loss, HellaSwag
+acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient norm.
 
     python -m scripts.plot out/shakespeare_cpu                       # writes out/shakespeare_cpu/plot.png
     python -m scripts.plot out/run_a out/run_b/log.jsonl --out compare.png
@@ -18,8 +17,7 @@ from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.runs import read_log
 
-# HellaSwag acc_norm of the models build-nanogpt measures itself against: OpenAI's GPT-2 124M under
-# this repo's scoring (build-nanogpt), and GPT-3 Small (125M) from the GPT-3 paper, table 3.2
+# build-nanogpt's references: GPT-2 124M under this scoring, GPT-3 Small from its paper's table 3.2
 REFERENCES = {"GPT-2 124M": 0.2955, "GPT-3 125M": 0.337}
 PANELS = [  # (title, log key, y scale)
     ("loss", "loss", "linear"), ("HellaSwag acc_norm", "hellaswag_acc_norm", "linear"),
@@ -35,8 +33,7 @@ def series(records, key):
 
 
 def smooth(values):
-    """Moving average over a 50th of the run (at least 1 step), the first steps averaged over
-    what came before them."""
+    """Moving average over a 50th of the run (at least 1 step), shorter over the first steps."""
     window = max(1, len(values) // 50)
     sums = np.cumsum(np.insert(values, 0, 0.0))
     counts = np.minimum(np.arange(1, len(values) + 1), window)
@@ -44,8 +41,7 @@ def smooth(values):
 
 
 def pyplot():
-    """matplotlib.pyplot, drawing to files only. Raises UserError if matplotlib (an optional
-    dependency) is not installed."""
+    """matplotlib.pyplot, drawing to files only. Raises UserError if matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:

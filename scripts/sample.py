@@ -5,9 +5,8 @@ Samples text from a trained model, printing tokens as they are drawn (nanoGPT's 
     python -m scripts.sample out/shakespeare_cpu/ckpt_0000450.pt --num_samples 3 --top_k 0
     python -m scripts.sample gpt2 --prompt_file prompt.txt --temperature 0.8 --device cuda
 
-The source is an out_dir (its latest checkpoint), a checkpoint file, a Hugging Face GPT-2
-directory, or gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once by huggingface_hub).
-The same --seed gives the same text on the same device.
+The source is an out_dir (its latest checkpoint), a checkpoint file, a Hugging Face GPT-2 directory or
+gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). A --seed gives the same text on the same device.
 """
 
 import codecs
@@ -23,10 +22,8 @@ from train_gpt2 import GPT
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):
-    """Writes the prompt, then each sampled token's text to `out` (sys.stdout as it is at the
-    call, by default) as it is drawn; returns the sampled token ids. A character split across
-    tokens is written once its bytes are complete. An empty prompt starts from <|endoftext|>, as
-    GPT-2's unconditional samples do."""
+    """Writes the prompt, then each sampled token's text to `out` (default sys.stdout) as it is drawn;
+    returns the sampled token ids. An empty prompt starts from <|endoftext|>."""
     out = out or sys.stdout
     device = next(model.parameters()).device
     prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_TOKEN]
@@ -76,7 +73,7 @@ def main(argv):
                             f"save it as UTF-8") from e
     model = GPT.from_pretrained(args.source, args.device).use_decoding_layout()
     if args.compile:
-        model.compile()  # GPT.__call__, which generate() calls; the cache's pos turns dynamic
+        model.compile()  # compiles the forward that generate() calls
     enc = gpt2_encoding()
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     for i in range(args.num_samples):

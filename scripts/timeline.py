@@ -1,18 +1,14 @@
 r"""
-Draws the profiler traces of a run as a PNG timeline: per rank, one lane of compute (data,
-forward, backward, optimizer, and in it Muon's Newton-Schulz) and one lane of collectives
-(all-reduce, reduce-scatter, all-gather, broadcast, and Muon's gather and scatter), so that what
-overlaps shows at a glance. train_gpt2.py --profile=true
-makes each rank write trace_rank{R}.json (steps 3-5) into its out_dir.
+Draws a run's profiler traces (trace_rank{R}.json from train_gpt2.py --profile=true) as a PNG
+timeline with one lane of compute and one of collectives per rank, so that what overlaps shows.
 
     torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml \
         --profile=true --max_steps=6 --out_dir=out/profile --resume=never --overwrite=true
     python -m scripts.timeline out/profile                     # out/profile/timeline.png
     python -m scripts.timeline out/profile --steps 2 --out ddp.png --title "ddp, 2 ranks"
 
-CPU traces (gloo) show collectives as the gloo worker threads run them; CUDA traces as the NCCL
-kernels run on the GPU, and compute as the GPU ran the ranges (gpu_user_annotation) when the
-trace has them. Each rank's time starts at its first profiled step. Needs matplotlib.
+CPU traces show collectives as gloo's threads run them, CUDA traces as NCCL's kernels run, and compute
+in GPU time where recorded. Each rank's time starts at its first profiled step. Needs matplotlib.
 """
 
 import json
@@ -31,17 +27,14 @@ COLLECTIVES = {"all_reduce": "tab:red", "reduce_scatter": "tab:purple", "all_gat
 
 
 def collective_kind(name):
-    """The COLLECTIVES key an event's name stands for, or None: c10d's ops (c10d::allreduce_,
-    c10d::_reduce_scatter_base_), gloo's ranges and NCCL's kernels (ncclDevKernel_AllGather_...)."""
+    """The COLLECTIVES key that a c10d op's, gloo range's or NCCL kernel's name stands for, or None."""
     flat = re.sub(r"[^a-z]", "", name.lower())
     return next((kind for kind in COLLECTIVES if kind.replace("_", "") in flat), None)
 
 
 def gloo_collectives(events):
-    """(kind, event) for each collective gloo ran. gloo's ranges time the work on its own threads
-    but name what gloo ran (a reduce-scatter runs as gloo:all_reduce); the c10d op that issued it,
-    on the main thread, names what was asked. Each gloo family runs its ops in issue order, so
-    the n-th gloo:all_reduce is the n-th op issued as an all-reduce or a reduce-scatter."""
+    """(kind, event) of each collective gloo ran, kind as c10d issued it (gloo runs a reduce-scatter
+    as gloo:all_reduce)."""
     issued = {}  # the gloo range's kind -> the kinds c10d issued to it, in order
     for e in sorted(events, key=lambda e: e["ts"]):
         if e["name"].startswith("c10d::") and (kind := collective_kind(e["name"])):
@@ -49,16 +42,15 @@ def gloo_collectives(events):
             issued.setdefault(ran_as, []).append(kind)
     runs = sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"])
     queues = {kind: iter(kinds) for kind, kinds in issued.items()}
-    for e in runs:
+    for e in runs:  # each gloo family runs its ops in issue order, so they pair up with c10d's
         ran_as = collective_kind(e["name"])
         if ran_as:
             yield next(queues.get(ran_as, iter(())), ran_as), e
 
 
 def lanes(trace, steps):
-    """The first `steps` profiled steps of one rank's chrome trace as (compute, collectives):
-    lists of (kind, start_ms, duration_ms), times from the first step's start. Raises UserError
-    for a trace without profiled steps."""
+    """(compute, collectives) lists of (kind, start_ms, duration_ms) from the first `steps` profiled
+    steps of one rank's trace. Raises UserError for a trace without profiled steps."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e["name"].startswith("ProfilerStep#"))
@@ -82,8 +74,7 @@ def lanes(trace, steps):
 
 
 def draw(traces, out, steps, title):
-    """traces: {rank: chrome trace dict}. Writes the PNG `out` (save_png). Raises UserError
-    without matplotlib."""
+    """Writes the PNG `out` of traces ({rank: chrome trace}). Raises UserError without matplotlib."""
     plt = pyplot()
     from matplotlib.patches import Patch
     ranks = sorted(traces)

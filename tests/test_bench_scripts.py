@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/bench_tokenizer.py and scripts/bench_loader.py, run as a user would, and
+"""Smoke tests of scripts/bench_tokenizer.py, run as a user would, and
 of scripts/bench_sample.py's main."""
 
 import re
@@ -43,23 +43,6 @@ def test_bench_tokenizer():
         assert number(pd[2]) == number(tik[2]) + n_docs  # one <|endoftext|> per document
         assert number(tik[4]) > 0 and number(pd[4]) > 0
         assert abs(number(pd[5]) - number(pd[4]) / number(tik[4])) < 0.02
-
-
-def test_bench_loader_memory_stays_flat(tmp_path):
-    # 4e7 tokens = 76 MiB of uint16: a loader holding the shard in RAM would grow by >= 76 MiB
-    # (305 MiB as int64), far above the bound of 25% of it; the real loader grows by a few MiB
-    out = run_script("bench_loader", "--sizes", "1e6", "4e7", "--batches", 50, "--tmp_dir", tmp_path)
-    header, rows = table(out, "shard")
-    assert header.split() == ["shard", "tokens", "shard", "MB", "RSS", "before", "RSS", "loader",
-                              "RSS", "after", "growth", "batches/s", "tokens/s"]
-    assert [number(r[0]) for r in rows] == [1e6, 4e7]
-    largest_mb = max(number(r[1]) for r in rows)
-    for r in rows:
-        before, after, growth = number(r[2]), number(r[4]), number(r[5])
-        assert abs(growth - (after - before)) < 0.2
-        assert growth < 0.25 * largest_mb, f"loader RSS grew by {growth} MiB:\n{out}"
-        assert number(r[7]) > 0
-    assert not any(tmp_path.iterdir())  # the shards were cleaned up
 
 
 def test_bench_sample_times_ours_against_transformers_on_the_same_weights(capsys):

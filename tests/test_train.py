@@ -290,6 +290,40 @@ def test_loader_state_dict_resumes_position(tmp_path):
         loader(tmp_path, B=5).load_state_dict(a.state_dict())  # 192 tokens read
 
 
+# run in a fresh process: the growth of its peak RSS (VmHWM, MiB) over reading 50 micro-batches
+# of 8 x 1024 spread over the shard, as a resumed run jumps to them
+LOADER_RSS = """
+import sys, numpy as np, torch, train_gpt2
+def peak():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
+before = peak()
+loader = train_gpt2.DataLoader(sys.argv[1], "train", 8, 1024, 0, 1, torch.device("cpu"))
+for g in np.linspace(0, loader.batches_per_epoch - 1, 50).astype(int):
+    loader.load_state_dict({"tokens": int(g) * 8 * 1024})
+    loader.next_batch()
+print(peak() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM is Linux's")
+def test_loader_host_memory_stays_flat_as_the_shard_grows(tmp_path):
+    """The loader memory-maps its shards anew per batch (nanoGPT #287): over a shard of 4e7 tokens
+    (76 MiB as uint16, 305 MiB as int64) a fresh process's peak RSS grows by well under a quarter
+    of the shard, as over a shard of 1e6; a loader holding the shard in RAM would grow by all of it."""
+    rng = np.random.default_rng(0)
+    growth = {}
+    for size in (10**6, 4 * 10**7):
+        data = tmp_path / str(size)
+        data.mkdir()
+        write_shard(data / "rand_val_000000.bin", rng.integers(0, 50257, size // 10, dtype=np.uint16))
+        write_shard(data / "rand_train_000001.bin", rng.integers(0, 50257, size, dtype=np.uint16))
+        proc = subprocess.run([sys.executable, "-c", LOADER_RSS, str(data)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        growth[size] = float(proc.stdout)
+    assert growth[4 * 10**7] < 0.25 * 76, growth
+
+
 def corrupt_empty(path):
     path.write_bytes(b"")
 

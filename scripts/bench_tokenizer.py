@@ -15,10 +15,9 @@ import os
 import time
 from pathlib import Path
 
-
+import prepare_data
 from gpt2_ddp import configurator
 from gpt2_ddp.configurator import UserError
-import prepare_data
 
 
 def load_docs(path, repeat):

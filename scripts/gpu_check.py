@@ -27,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 from gpt2_ddp import configurator, runs
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
 
+ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 CONFIG = "configs/gpt2_124m.toml"
 # micro-batch 32 fits the corpus's val split and an H100 at 124M

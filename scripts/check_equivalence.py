@@ -7,7 +7,7 @@ that each trains the same model as this one at every world size.
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --max_steps=20 --exact_reduction=true
     python -m scripts.check_equivalence configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
-    python -m scripts.check_equivalence configs/shakespeare_cpu.toml --world_sizes 2 --python venv-2.8/bin/python
+    python -m scripts.check_equivalence configs/shakespeare_cpu.toml --world_sizes 2 --python venv/bin/python
 
 Arguments other than the options below go to train_gpt2.py. The config's total_batch_size must be
 divisible by micro_batch_size * seq_len * world_size for each world size. World size 1 runs as

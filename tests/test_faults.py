@@ -426,8 +426,8 @@ def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_
     assert f"out_dir {out} is in use by another run (pid 12345 on elsewhere); wait for it" in err
     blocker = tmp_path / "file"
     blocker.write_text("")
-    for bad, message in ([f"--out_dir={blocker}/out"],
-                         f"cannot write to out_dir {blocker}/out: Not a directory; pass a writable --out_dir"), \
+    for bad, message in ([f"--out_dir={blocker}/out"], f"cannot write to out_dir {blocker}/out: Not a "
+                         f"directory; pass a writable --out_dir"), \
                         (["--n_head=3", f"--out_dir={out}"], "n_embd=32 is not divisible by n_head=3"):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node=2", "train_gpt2.py", *TINY,

@@ -81,8 +81,9 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
 
 
 def test_standalone_script_scores_a_model(hf_tiny, examples_file):
-    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path", str(examples_file),
-                           "--examples", "5"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path",
+                           str(examples_file), "--examples", "5"], cwd=ROOT, capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr
     model = GPT.from_pretrained(hf_tiny)
     config = model.config

@@ -288,7 +288,8 @@ def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
 
     def fake_load_dataset(path, name=None, **kwargs):
         calls.append((path, name, kwargs))
-        return real_load_dataset("json", data_files=str(tmp_path / "hub.jsonl"), split="train", streaming=True)
+        return real_load_dataset("json", data_files=str(tmp_path / "hub.jsonl"), split="train",
+                                 streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     out_dir = tmp_path / "out"
@@ -422,7 +423,8 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     ('{"text": "a", "id": 1}\n\n{"body": "b", "id": 2}\n{"text": "c"}\n',
      "bad.jsonl line 3 has no field 'text' \\(missing or null\\); its fields are id, body; "
      "choose the text with --text_field$"),
-    ('{"text": "a"}\n{"text": null, "id": 2}\n', "bad.jsonl line 2 has no field 'text' \\(missing or null\\)"),
+    ('{"text": "a"}\n{"text": null, "id": 2}\n',
+     "bad.jsonl line 2 has no field 'text' \\(missing or null\\)"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)

@@ -126,8 +126,10 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         """One update of every matrix. `closure` is torch.optim's argument, unused."""
         if self.owner is None:
-            self.rank = dist.get_rank() if dist.is_initialized() else 0
-            self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+            # a model on the meta device (the memory plan's) is no rank's: it steps alone
+            distributed = dist.is_initialized() and not self.param_groups[0]["params"][0].is_meta
+            self.rank = dist.get_rank() if distributed else 0
+            self.world_size = dist.get_world_size() if distributed else 1
             self.choose_owners(self.world_size)
         sent = []
         for group in self.param_groups:

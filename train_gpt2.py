@@ -916,9 +916,10 @@ def train(config, rank, world_size, device):
                 torch.manual_seed(derived_seed(config.seed, step, m))
                 with autocast, record_function("forward"):
                     _, loss = model(x, y)
+                loss_accum += loss.detach()
+                loss = loss / loss_divisor
                 with record_function("backward"):
-                    (loss / loss_divisor).backward()
-            loss_accum += loss.detach()
+                    loss.backward()
         # the loss summed over ranks, and whether any rank was asked to stop, in one all-reduce
         # (fill_ takes the host's value without the sync a new device tensor would cost)
         totals = torch.stack([loss_accum, stop_flag.fill_(len(stop_signals))])
@@ -930,8 +931,7 @@ def train(config, rank, world_size, device):
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-            # the step's one host sync, before the update: a non-finite loss or gradient norm
-            # (divergence, a bad batch) skips it, leaving weights and optimizer state untouched
+            # the step's one host sync: a non-finite loss or norm skips the update, changing nothing
             loss_value, stop, norm = torch.stack(
                 [(loss_accum / micro_batches_per_step).float(), stop.float(), norm.float()]).tolist()
             finite = math.isfinite(loss_value) and math.isfinite(norm)

@@ -25,11 +25,21 @@ except ImportError:
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
 # save()'s format; a resume refuses any other, init_from reads only the weights
 VERSION = 2
-PATTERN = "ckpt_*.pt"
 
 
 def path_of(out_dir, step):
     return Path(out_dir) / f"ckpt_{step:07d}.pt"
+
+
+def listed(out_dir):
+    """The run's checkpoints in out_dir, oldest step first: files named as path_of() names them.
+    Other files (a user's ckpt_best.pt, say) are never resumed from, pruned or counted."""
+    steps = {}
+    for path in Path(out_dir).glob("ckpt_*.pt"):
+        digits = path.name[len("ckpt_"):-len(".pt")]
+        if digits.isdecimal() and path.name == path_of(out_dir, int(digits)).name and path.is_file():
+            steps[int(digits)] = path
+    return [steps[step] for step in sorted(steps)]
 
 
 def remove(path):
@@ -144,14 +154,14 @@ def save(path, state):
 
 
 def resolve(source):
-    """The checkpoint file that `source` names: itself, or the newest ckpt_*.pt of an out_dir; None
-    for a Hugging Face directory (it holds config.json) or what is no path (a hub name). Raises
+    """The checkpoint file that `source` names: itself, or an out_dir's newest (listed()); None for
+    a Hugging Face directory (it holds config.json) or what is no path (a hub name). Raises
     UserError for a directory holding neither."""
     path = Path(source)
     if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob(PATTERN))
+        found = listed(path)
         if not found:
-            raise UserError(f"{path} holds neither checkpoints (ckpt_*.pt) nor a Hugging Face "
+            raise UserError(f"{path} holds neither checkpoints (ckpt_NNNNNNN.pt) nor a Hugging Face "
                             f"config.json")
         return found[-1]
     return path if path.is_file() else None
@@ -182,7 +192,7 @@ def newest_loadable(out_dir, warn):
     none. Each newer one that fails is named in warn() and renamed {name}.damaged (.damaged2...), so
     it neither shadows the good one nor counts as the newest when pruning. Raises UserError, renaming
     nothing, when checkpoints exist but none loads."""
-    paths = sorted(Path(out_dir).glob(PATTERN))
+    paths = listed(out_dir)
     damaged = []
     for path in reversed(paths):
         try:
@@ -212,7 +222,7 @@ def prune(out_dir, keep, protected):
     """Deletes all but the newest `keep` checkpoints of out_dir (0 keeps all), never one of
     `protected` (the one the run resumed from, the one it just saved)."""
     if keep > 0:
-        for old in sorted(Path(out_dir).glob(PATTERN))[:-keep]:
+        for old in listed(out_dir)[:-keep]:
             if old not in protected:
                 remove(old)
 
@@ -289,7 +299,7 @@ def open_out_dir(config):
     checkpoints out_dir holds. Raises UserError, on every rank, when resume=never would overwrite
     them without overwrite=true. A collective."""
     out = agreed(lambda: OutDir(config.out_dir), master_only=True)
-    existing = sorted(Path(config.out_dir).glob(PATTERN))
+    existing = listed(config.out_dir)
     if config.resume == "never" and existing and not config.overwrite:
         raise UserError(f"{config.out_dir} has checkpoints and resume=never would overwrite them; "
                         f"pass --resume=auto to continue, --overwrite=true to start over, or "

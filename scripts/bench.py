@@ -21,7 +21,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from gpt2_ddp import configurator, runs
+from gpt2_ddp import checkpoints, configurator, runs
 from gpt2_ddp.configurator import UserError
 
 PROFILED_STEPS = 3  # train_gpt2.py's profiler schedule: wait 2, warm up 1, record 3
@@ -66,7 +66,7 @@ def run(name, overrides, args, train_args):
                 "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
                args.nproc, progress=name)
     records = runs.read_log(out)
-    for checkpoint in out.glob("ckpt_*.pt"):  # the end-of-run checkpoint is not what we measure
+    for checkpoint in checkpoints.listed(out):  # the end-of-run checkpoint is not what we measure
         checkpoint.unlink()
     return records, out / "trace_rank0.json"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2_ddp import configurator, runs
+from gpt2_ddp import checkpoints, configurator, runs
 from gpt2_ddp.configurator import UserError
 
 
@@ -32,7 +32,7 @@ def train(world_size, train_args, out_dir, python=sys.executable, label=None):
     HellaSwag records, final model state dict). Raises UserError with the output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
                world_size, python=python, progress=label or f"world size {world_size}")
-    checkpoint = sorted(Path(out_dir).glob("ckpt_*.pt"))[-1]
+    checkpoint = checkpoints.listed(out_dir)[-1]
     model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     return (*runs.split_records(runs.read_log(out_dir)), model)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training
-from gpt2_ddp import runs
+from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.shards import write_shard
 
 STEPS = 40
@@ -409,6 +409,28 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(
         "ckpt_0000002.pt", "ckpt_0000004.pt.damaged", "ckpt_0000006.pt", "ckpt_0000009.pt.damaged"]
     assert (out / "ckpt_0000002.pt").read_bytes() == before["ckpt_0000002.pt"]
     assert [s["step"] for s in read_log(out)[0]] == list(range(1, 7))
+
+
+def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(good_run, tmp_path):
+    """A user's ckpt_best.pt (a good checkpoint, of step 2), a ckpt_abc.pt and a directory with a
+    checkpoint's name sit beside the run's checkpoints: the run resumes from its own newest, prunes
+    only its own, and leaves the others as they were. Steps past the zero padding sort by number."""
+    out, before = copy_run(good_run, tmp_path)
+    (out / "ckpt_best.pt").write_bytes(before["ckpt_0000002.pt"])
+    (out / "ckpt_abc.pt").write_bytes(b"notes")
+    (out / "ckpt_0000009.pt").mkdir()
+    proc = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
+                         "--checkpoint_interval=1", "--keep_checkpoints=1"])
+    assert f"resumed from {out}/ckpt_0000004.pt at step 4" in proc.stdout
+    assert sorted(p.name for p in out.glob("ckpt_*")) == [
+        "ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000009.pt", "ckpt_abc.pt", "ckpt_best.pt"]
+    assert (out / "ckpt_best.pt").read_bytes() == before["ckpt_0000002.pt"]
+    assert (out / "ckpt_abc.pt").read_bytes() == b"notes" and (out / "ckpt_0000009.pt").is_dir()
+    many = tmp_path / "many"
+    many.mkdir()
+    for step in (10_000_000, 9_999_999):
+        checkpoints.path_of(many, step).touch()
+    assert [p.name for p in checkpoints.listed(many)] == ["ckpt_9999999.pt", "ckpt_10000000.pt"]
 
 
 def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):

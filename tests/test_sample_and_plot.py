@@ -59,7 +59,7 @@ def test_a_bad_source_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 1
-    assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_*.pt) "
+    assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_NNNNNNN.pt) "
                            f"nor a Hugging Face config.json\n")
 
 

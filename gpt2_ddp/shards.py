@@ -10,6 +10,7 @@ as little-endian uint16, named {dataset}_{split}_{index:06d}.bin (llm.c's finewe
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -57,20 +58,53 @@ def read_tokens(path):
 
 
 def read_shard_header(path):
-    """Returns the token count of a .bin shard after checking its header and file size. Raises
-    UserError for a bad one, naming the file and the command that remakes it."""
-    size = os.path.getsize(path)
+    """Returns the token count (>= 1) of a .bin shard after checking that it is a readable file,
+    that its header is llm.c's and that its size in bytes is the header's. Raises UserError for a
+    bad one, naming the file and how to fix it."""
+    size = _file_size(path)
     if size < HEADER_INTS * 4:
         raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    try:
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_INTS * 4), dtype="<i4")
+    except OSError as e:
+        raise UserError(f"cannot read shard {path}: {e.strerror}") from None
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
         raise UserError(f"shard {path} has a bad header (magic {header[0]}, version {header[1]}, "
                         f"expected {SHARD_MAGIC}, {SHARD_VERSION}): not a token shard; {FIX}")
     n_tokens = int(header[2])
-    if size != HEADER_INTS * 4 + 2 * n_tokens:
-        raise UserError(f"shard {path} holds {(size - HEADER_INTS * 4) // 2} tokens but its header "
-                        f"says {n_tokens}: truncated or corrupt; {FIX}")
+    body, expected = size - HEADER_INTS * 4, HEADER_INTS * 4 + 2 * n_tokens
+    if n_tokens < 0:
+        raise UserError(f"shard {path} has a negative token count in its header ({n_tokens}): "
+                        f"corrupt; {FIX}")
+    if body % 2:
+        raise UserError(f"shard {path} is {size} bytes, not the {expected} of its header's {n_tokens} "
+                        f"tokens, and not a whole number of 2-byte tokens: corrupt; {FIX}")
+    if body != 2 * n_tokens:
+        raise UserError(f"shard {path} holds {body // 2} tokens but its header says {n_tokens} "
+                        f"({size} bytes, not {expected}): truncated or corrupt; {FIX}")
+    if n_tokens == 0:
+        raise UserError(f"shard {path} holds no tokens (its header says 0): remove it, or {FIX}")
     return n_tokens
+
+
+def _file_size(path):
+    """The size in bytes of the file `path`. Raises UserError for a path named like a shard that is
+    a directory, a dangling link, or not a regular file (a pipe would block the reader)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if os.path.islink(path):
+            raise UserError(f"{path} is a dangling link (to {os.readlink(path)}: {e.strerror}), named "
+                            f"like a shard; point it at a shard or remove it") from None
+        raise UserError(f"cannot read shard {path}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{path} is a directory, named like a shard: a shard is a file; move or "
+                        f"rename it")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{path} is not a regular file (a pipe, socket or device), named like a "
+                        f"shard; move or rename it")
+    return st.st_size
 
 
 def shard_name(filename):
@@ -109,33 +143,17 @@ def split_paths(data_dir, split, dataset="", required=False):
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     """The largest token id of each shard in `paths`, as a list of ints. A collective: from
-    prepare_data.py's manifests (an entry counts when a file of its name and size is there), else
-    the JSON cache `cache_path` (in out_dir, as data_dir may be read-only) if size and mtime match,
-    else read by rank i % world_size for shard i; rank 0 adds the results to the cache.
+    prepare_data.py's manifests, else the JSON cache `cache_path` (in out_dir, as data_dir may be
+    read-only), an entry counting only while the shard's size and mtime are the ones it records;
+    else read by rank i % world_size for shard i, rank 0 adding the results to the cache.
     reduce_max(list of ints), called once on every rank, is the element-wise maximum over ranks."""
-    known = {}
-    for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
-        try:
-            for e in json.loads(manifest.read_text()).get("shards", []):
-                path = manifest.parent / e["file"]
-                if path.is_file() and path.stat().st_size == e["bytes"]:
-                    known[path] = int(e["max_token_id"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # not a manifest with shard entries: its shards are scanned
     try:
         cache = json.loads(Path(cache_path).read_text())
     except (OSError, ValueError):
         cache = {}
-    todo = []
-    for path in paths:
-        if path in known:
-            continue
-        stat, entry = path.stat(), cache.get(str(path.resolve()), {})
-        if (entry.get("bytes"), entry.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns) \
-                and entry.get("max_token_id", -1) >= 0:
-            known[path] = entry["max_token_id"]
-        else:
-            todo.append(path)
+    cache = cache if isinstance(cache, dict) else {}
+    known = _recorded_maxima(paths, cache)
+    todo = [p for p in paths if p not in known]
     mine = [p for i, p in enumerate(paths) if i % world_size == rank and p in todo]
     scanned = {}
     with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
@@ -152,14 +170,36 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     if rank == 0 and todo:
         for path, largest in zip(paths, maxima):
             if path in todo:
-                stat = path.stat()
-                cache[str(path.resolve())] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                st = path.stat()
+                cache[str(path.resolve())] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                                               "max_token_id": largest}
         try:
             atomic_write(cache_path, lambda f: f.write(json.dumps(cache, indent=1).encode()))
         except OSError:
             pass  # only a cache: the next run reads the shards again
     return maxima
+
+
+def _recorded_maxima(paths, cache):
+    """{path: largest token id} for the shards of `paths` that an entry of a manifest beside them
+    (by file name) or of `cache` (by resolved path) describes: same size and mtime."""
+    listed = {}
+    for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
+        try:
+            shards = json.loads(manifest.read_text())["shards"]
+            listed.update({manifest.parent / e["file"]: e for e in shards})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a manifest with shard entries: its shards are scanned
+    known = {}
+    for path in paths:
+        st = path.stat()
+        for entry in (listed.get(path), cache.get(str(path.resolve()))):
+            if isinstance(entry, dict) and type(entry.get("max_token_id")) is int \
+                    and entry["max_token_id"] >= 0 \
+                    and (entry.get("bytes"), entry.get("mtime_ns")) == (st.st_size, st.st_mtime_ns):
+                known[path] = entry["max_token_id"]
+                break
+    return known
 
 
 def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max):

@@ -22,8 +22,9 @@ form the val split, the rest train, never in one shard. Shards, in llm.c's .bin 
 
 {name}_manifest.json, beside the shards, holds "inputs" (per file [absolute path, bytes, mtime in
 ns], or [dataset, config, split]), "options" (those that change the shards), "shards" (in file-name
-order, {"file", "bytes", "tokens", "max_token_id"}) and the overall "max_token_id". A rerun with
-the recorded inputs and options has nothing to do.
+order, {"file", "bytes", "mtime_ns", "tokens", "max_token_id"}) and the overall "max_token_id". A
+rerun with the recorded inputs and options has nothing to do while the listed shards are there at
+their listed sizes, and makes them again when not.
 """
 
 import argparse
@@ -35,6 +36,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -49,13 +51,8 @@ from gpt2_ddp.tokenizer import ASSETS_DIR, EOT_TOKEN, gpt2_encoding
 
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
 
-# which `datasets` builder reads each file extension, and how
-BUILDERS = {
-    ".txt": ("text", {"sample_by": "document"}),
-    ".jsonl": ("json", {}),
-    ".json": ("json", {}),
-    ".parquet": ("parquet", {}),
-}
+# how each file extension is read: text and json here, parquet by `datasets`' builder
+READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
@@ -119,60 +116,50 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 
 def _texts(sources, field):
-    """Yields the text of every non-empty document of the (name, rows) sources. Raises UserError
-    naming the file and row (line, for .jsonl) for a row unreadable or without text in `field`."""
-    for where, dataset in sources:
-        rows = iter(dataset)
-        for number in itertools.count(1):
-            try:
-                row = next(rows)
-            except StopIteration:
-                break
-            except Exception as e:  # pyarrow's and datasets' parse and cast errors
-                raise _read_error(where, e) from None
-            text = row.get(field)
-            if not isinstance(text, str):
-                raise _bad_field(where, number, row, field)
+    """Yields the text of every non-empty document of the (where, rows) sources. Raises UserError
+    naming the file and row (line, for json) for a row unreadable or without text in `field`."""
+    for _, rows in sources:
+        for name, row in rows:
+            text = _text(name, row, field)
             if text:  # an empty document would add nothing but an <|endoftext|>
                 yield text
 
 
-def _bad_field(where, number, row, field):
-    """The one-line UserError for row `number` (1-based) of `where`, whose `field` is missing,
-    null or not a string (one case: pyarrow fills a field that a JSON row lacks with null)."""
+def _text(name, row, field):
+    """The string in `field` of `row`, one document, which `name` names ('FILE line 3'). Raises
+    UserError saying what the row holds when that is not an object with a string there."""
+    if not isinstance(row, dict):
+        raise UserError(f"{name} is {_kind(row)}, not an object with a {field!r} string; fix or "
+                        f"remove it")
     text = row.get(field)
-    if text is None:
-        fields = ", ".join(k for k, v in row.items() if v is not None) or "(none)"
-        return UserError(f"{_row_name(where, number)} has no field {field!r} (missing or null); "
-                         f"its fields are {fields}; choose the text with --text_field")
-    return UserError(f"{_row_name(where, number)}: field {field!r} holds {type(text).__name__} "
-                     f"{str(text)[:40]!r}, not text; choose the text with --text_field")
+    if isinstance(text, str):
+        return text
+    if field not in row:
+        fields = f"its fields are {', '.join(map(str, row))}" if row else "it has no fields"
+        raise UserError(f"{name} has no field {field!r}; {fields}; choose the text with --text_field")
+    raise UserError(f"{name}'s {field!r} is {_kind(text)}, not a string; fix that row, or choose "
+                    f"the text with --text_field")
 
 
-def _row_name(where, number):
-    """'{where} row {number}', or for a .jsonl file with a line per row '{where} line {line}',
-    found by reading the file again, as pyarrow skips blank lines."""
-    line = None
-    if str(where).endswith(".jsonl"):
-        with open(where, encoding="utf-8", errors="replace") as f:
-            lines = (n for n, text in enumerate(f, 1) if text.strip())
-            line = next(itertools.islice(lines, number - 1, None), None)
-    return f"{where} row {number}" if line is None else f"{where} line {line}"
+def _kind(value):
+    """What a JSON or parquet value is, in words: 'null', 'the number 5', 'an array' and so on."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"
 
 
 def _read_error(where, e):
-    """The one-line UserError for a source that failed to parse, naming a .jsonl file's first line
-    that is not JSON (pyarrow counts rows per block, not lines)."""
-    if str(where).endswith(".jsonl"):
-        with open(where, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    json.loads(line)
-                except ValueError as bad:
-                    return UserError(f"{where} line {number} is not valid JSON ({bad}); fix or "
-                                     f"remove that line")
+    """The one-line UserError for a source that `datasets` failed to parse."""
     first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return UserError(f"cannot read {where}: {first_line}")
 
@@ -206,8 +193,9 @@ class _ShardWriter:
             return
         path = self.out_dir / f"{self.name}_{self.split}_{self.index:06d}.bin"
         write_shard(path, self.buf[: self.fill])
-        self.shards.append({"file": path.name, "bytes": path.stat().st_size, "tokens": self.fill,
-                            "max_token_id": int(self.buf[: self.fill].max())})
+        st = path.stat()  # a rename into out_dir keeps the mtime, which the loader checks
+        self.shards.append({"file": path.name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                            "tokens": self.fill, "max_token_id": int(self.buf[: self.fill].max())})
         shards, tokens = self.stats.get(self.split, (0, 0))
         self.stats[self.split] = (shards + 1, tokens + self.fill)
         self.index += 1
@@ -241,18 +229,20 @@ def _parse_args(argv):
     parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
     parser.add_argument("--text_field", default="text",
                         help="column holding the text in json/parquet/hub rows (default: text)")
-    parser.add_argument("--name", help="prefix of the shard names (default: the first file's stem, "
-                                       "the dataset's last path component, or tinyshakespeare)")
+    parser.add_argument("--name", help="prefix of the shard names, a plain file name (default: the "
+                                       "first file's stem, the dataset's last path component, or "
+                                       "tinyshakespeare)")
     parser.add_argument("--output_dir", help="default: data/<name>/ next to this script")
     parser.add_argument("--shard_size", type=_token_count, default=100_000_000,
                         help="tokens per shard (default: 1e8)")
     val = parser.add_mutually_exclusive_group()
     val.add_argument("--val_tokens", type=_token_count,
-                     help="exactly this many tokens, the first ones, go to val; skips the pass that "
+                     help="exactly this many tokens (>= 1), the first ones, go to val; skips the pass that "
                           "counts the tokens for --val_fraction (worth it for big inputs). Default for "
                           "--dataset: --shard_size (the first shard is val)")
     val.add_argument("--val_fraction", type=float, default=0.1,
-                     help="fraction of all tokens, the first ones, that go to val (default: 0.1)")
+                     help="fraction of all tokens, the first ones, that go to val, in (0, 1) "
+                          "(default: 0.1)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="tokenizer processes (default: all cores)")
     parser.add_argument("--overwrite", action="store_true",
@@ -265,29 +255,56 @@ def _parse_args(argv):
         parser.error("--dataset_config and --split only apply to --dataset")
     if not 1 <= args.shard_size <= MAX_SHARD_TOKENS:
         parser.error(f"--shard_size must be in [1, {MAX_SHARD_TOKENS}]")
-    if not 0 <= args.val_fraction < 1:
-        parser.error("--val_fraction must be in [0, 1)")
+    # train_gpt2.py evaluates on the val split and refuses data without one
+    if not 0 < args.val_fraction < 1:
+        parser.error("--val_fraction must be in (0, 1): training needs a val split")
+    if args.val_tokens == 0:
+        parser.error("--val_tokens must be >= 1: training needs a val split")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
     return args
 
 
 def _expand_inputs(patterns):
-    """Sorted matches of each path or glob, and the `datasets` builder for their extension."""
+    """Sorted matches of each path or glob, and the reader of their extension (READERS). Raises
+    UserError for a pattern that matches nothing, a match that is not a readable file, and
+    extensions that are not one of READERS'."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
         if not matches:
             raise UserError(f"no files match {pattern!r}")
         files += matches
+    for f in files:
+        _check_input_file(f)
     extensions = sorted({Path(f).suffix.lower() for f in files})
-    unsupported = [e or "(none)" for e in extensions if e not in BUILDERS]
+    unsupported = [e or "(none)" for e in extensions if e not in READERS]
     if unsupported:
         raise UserError(f"unsupported file extension {', '.join(unsupported)}; "
-                        f"supported: {', '.join(BUILDERS)}")
+                        f"supported: {', '.join(READERS)}")
     if len(extensions) > 1:
         raise UserError(f"all --input files must have one extension, got {', '.join(extensions)}")
-    return files, BUILDERS[extensions[0]]
+    return files, READERS[extensions[0]]
+
+
+def _check_input_file(f):
+    """Raises UserError unless the input `f` is a regular file that can be opened for reading."""
+    try:
+        mode = os.stat(f).st_mode
+    except OSError as e:
+        if os.path.islink(f):
+            raise UserError(f"input {f} is a dangling link (to {os.readlink(f)}: {e.strerror}); "
+                            f"point it at a file or leave it out") from None
+        raise UserError(f"cannot read input {f}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise UserError(f"input {f} is a directory, not a file; pass the files in it, e.g. "
+                        f"--input '{f.rstrip('/')}/*.txt'")
+    if not stat.S_ISREG(mode):
+        raise UserError(f"input {f} is not a regular file (a pipe, socket or device); pass files")
+    try:
+        open(f, "rb").close()
+    except OSError as e:
+        raise UserError(f"cannot read input {f}: {e.strerror}") from None
 
 
 def _drop_bad_utf8(files, skip):
@@ -310,46 +327,39 @@ def _drop_bad_utf8(files, skip):
 def main(argv=None):
     """Run the pipeline; argv is a list of command-line arguments (default: sys.argv[1:])."""
     args = _parse_args(argv)
-
-    if args.dataset:
-        name = args.name or args.dataset.rstrip("/").split("/")[-1].lower()
-        what = f"dataset {args.dataset}"
-        files, builder, builder_kwargs = [], None, {}
-    else:
-        patterns = args.input or [str(TINYSHAKESPEARE_PATH)]
-        files, (builder, builder_kwargs) = _expand_inputs(patterns)
-        name = args.name or Path(files[0]).stem
-        if builder == "text":
-            files = _drop_bad_utf8(files, args.skip_bad_files)
-        what = " ".join(patterns)
+    name, what, files, reader = _inputs(args)
     out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
     source = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
               [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
               "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
                                                         "val_tokens", "val_fraction", "skip_bad_files")}}
     manifest_path = out_dir / f"{name}_manifest.json"
-    if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not args.overwrite:
-        if _recorded_source(manifest_path) == source:
+    overwrite = args.overwrite
+    if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not overwrite:
+        if _recorded_source(manifest_path) != source:
+            raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
+                            f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
+        changed = _changed_shard(out_dir, name, manifest_path)
+        if changed is None:
             print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
             return
-        raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
-                        f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
+        print(f"{changed}: making the shards of this input again")
+        overwrite = True  # the manifest shows that this input and these options made them
 
-    sources = _sources(args, files, builder, builder_kwargs)
-    for where, dataset in sources:
-        try:
-            first_row = next(iter(dataset), None)
-        except Exception as e:
-            raise _read_error(where, e) from None
-        if first_row is not None and not isinstance(first_row.get(args.text_field), str):
-            raise _bad_field(where, 1, first_row, args.text_field)
+    sources = _sources(args, files, reader)
+    for _, rows in sources:
+        first = next(iter(rows), None)
+        if first is not None:
+            _text(*first, args.text_field)
 
     # shards move in from a staging dir only once all are complete, so a killed run leaves no
     # partial dataset; it is made before tokenizing, so an unwritable out_dir fails at once
     made_out_dir = not out_dir.exists()
     staging = out_dir / ".partial"
     try:
-        if staging.exists():
+        if staging.is_symlink() or staging.is_file():
+            staging.unlink()
+        elif staging.exists():
             shutil.rmtree(staging)  # left by a killed run
         staging.mkdir(parents=True)
     except OSError as e:
@@ -362,8 +372,8 @@ def main(argv=None):
             shutil.rmtree(out_dir)
         raise
 
-    old_shards = _old_shards(out_dir, name, manifest_path) if args.overwrite else []
-    # the loader trusts a manifest's max_token_id by shard name and size, which new shards may share
+    old_shards = _old_shards(out_dir, name, manifest_path) if overwrite else []
+    # the loader trusts a manifest's max_token_id by shard name, size and mtime: gone before they move
     manifest_path.unlink(missing_ok=True)
     for path in old_shards:
         path.unlink(missing_ok=True)
@@ -377,43 +387,119 @@ def main(argv=None):
         print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
 
 
-def _sources(args, files, builder, builder_kwargs):
-    """The (name, rows) sources, rows an iterable of dicts that can be read twice: a hub dataset,
-    streamed, or one per local file, so errors can name it. .txt files are read as `datasets`' text
-    builder with sample_by=document does, but without it, which the training does not need."""
-    if builder == "text":  # zero-byte files hold no documents
+def _inputs(args):
+    """(name, what, files, reader): the shards' name prefix, the input in words, the local input
+    files (none for --dataset) and their READERS kind. Raises UserError for bad input files and for
+    a name that is not a plain file name, as every file is written as {output_dir}/{name}_*."""
+    if args.dataset:
+        name = args.name if args.name is not None else args.dataset.rstrip("/").split("/")[-1].lower()
+        what, files, reader = f"dataset {args.dataset}", [], None
+    else:
+        patterns = args.input or [str(TINYSHAKESPEARE_PATH)]
+        files, reader = _expand_inputs(patterns)
+        name = args.name if args.name is not None else Path(files[0]).stem
+        if reader == "text":
+            files = _drop_bad_utf8(files, args.skip_bad_files)
+        what = " ".join(patterns)
+    if name in ("", ".", "..") or any(sep and sep in name for sep in ("/", os.sep, os.altsep, "\0")):
+        given = "--name" if args.name is not None else f"the name taken from {what}"
+        raise UserError(f"{given} {name!r} is not a plain file name (it is empty, '.' or '..', or "
+                        f"holds a path separator); pass --name with a plain name, such as books")
+    return name, what, files, reader
+
+
+def _sources(args, files, reader):
+    """The (where, rows) sources, rows an iterable of (row name, dict) pairs that can be read
+    twice: a hub dataset, streamed, or one per local file, so errors can name it. .txt files are
+    read as `datasets`' text builder with sample_by=document does, and json files as its json
+    builder does, but without it, which the training does not need."""
+    if reader == "text":  # zero-byte files hold no documents
         return [(f, _TextFile(f)) for f in files if os.path.getsize(f) > 0]
-    try:  # imported here: slow to import, and only the hub and json/parquet need it
+    if reader == "json":
+        return [(f, _JsonFile(f)) for f in files]
+    try:  # imported here: slow to import, and only the hub and parquet need it
         import datasets
         from datasets import load_dataset
     except ImportError:
-        raise UserError(f"{'--dataset' if args.dataset else 'json and parquet input'} needs the "
+        raise UserError(f"{'--dataset' if args.dataset else 'parquet input'} needs the "
                         f"datasets package: pip install datasets") from None
     # _read_error() reports parse errors in one line, which datasets' logger would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if args.dataset:
-        return [(args.dataset, load_dataset(args.dataset, args.dataset_config, split=args.split,
-                                            streaming=True))]
+        return [(args.dataset, _DatasetRows(args.dataset, load_dataset(
+            args.dataset, args.dataset_config, split=args.split, streaming=True)))]
     sources = []
     for f in files:
-        # the json and parquet builders crash on zero-byte files, which hold no documents
+        # the parquet builder crashes on zero-byte files, which hold no documents
         if os.path.getsize(f) > 0:
             try:
-                sources.append((f, load_dataset(builder, data_files=f, split="train",
-                                                streaming=True, **builder_kwargs)))
+                sources.append((f, _DatasetRows(f, load_dataset(reader, data_files=f, split="train",
+                                                                streaming=True))))
             except Exception as e:
                 raise _read_error(f, e) from None
     return sources
 
 
 class _TextFile:
-    """A .txt file as one row, {"text": its contents}, read from disk on each iteration."""
+    """A .txt file as one row, (its path, {"text": its contents}), read from disk on each iteration."""
 
     def __init__(self, path):
         self.path = path
 
     def __iter__(self):
-        yield {"text": Path(self.path).read_text(encoding="utf-8")}
+        yield str(self.path), {"text": Path(self.path).read_text(encoding="utf-8")}
+
+
+class _JsonFile:
+    """The rows of a .jsonl or .json file as (name, row) pairs, read from disk on each iteration:
+    one JSON value a non-blank line, named by line; or for a .json file that starts with '[', the
+    elements of the array it holds, named by item (the two forms `datasets`' json builder reads).
+    Raises UserError for a line, or such a file, that is not UTF-8 JSON."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            if self.path.endswith(".json") and f.read(1 << 16).lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"[":
+                f.seek(0)
+                items = _json_value(f.read(), self.path, "fix it")
+                yield from ((f"{self.path} item {i}", row) for i, row in enumerate(items, 1))
+                return
+            f.seek(0)
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    name = f"{self.path} line {number}"
+                    yield name, _json_value(line, name, "fix or remove that line")
+
+
+def _json_value(data, name, fix):
+    """The JSON value in the bytes `data`, which `name` names. Raises UserError, ending with `fix`,
+    for bytes that are not UTF-8 JSON (a UTF-8 byte order mark before them is allowed)."""
+    try:
+        return json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name} is not valid UTF-8 (first bad byte at offset {e.start}); {fix}") from None
+    except ValueError as e:
+        raise UserError(f"{name} is not valid JSON ({e}); {fix}") from None
+
+
+class _DatasetRows:
+    """A `datasets` dataset's rows as (name, row) pairs, named '{where} row {n}' from 1. Raises
+    UserError, on iteration, for one that fails to parse."""
+
+    def __init__(self, where, dataset):
+        self.where, self.dataset = where, dataset
+
+    def __iter__(self):
+        try:
+            rows = iter(self.dataset)
+            for number in itertools.count(1):
+                yield f"{self.where} row {number}", next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow's and datasets' parse and cast errors
+            raise _read_error(self.where, e) from None
 
 
 def _recorded_source(manifest_path):
@@ -423,6 +509,29 @@ def _recorded_source(manifest_path):
         return {"inputs": manifest["inputs"], "options": manifest["options"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _changed_shard(out_dir, name, manifest_path):
+    """None if out_dir's shards of `name` are the files its manifest lists, of the sizes it lists;
+    else what differs, in words. Raises UserError for a file named like a shard of `name` that
+    the manifest does not list, which the loader would read with them."""
+    try:
+        listed = {e["file"]: e["bytes"] for e in json.loads(manifest_path.read_text())["shards"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{manifest_path} lists no shards"
+    for file, size in sorted(listed.items()):
+        path = out_dir / file
+        if not path.is_file():
+            return f"{path}, which {manifest_path.name} lists, is missing"
+        if path.stat().st_size != size:
+            return f"{path} is {path.stat().st_size} bytes, not the {size} {manifest_path.name} lists"
+    unlisted = sorted(f for f in os.listdir(out_dir)
+                      if shard_name(f) in {(name, "train"), (name, "val")} and f not in listed)
+    if unlisted:
+        raise UserError(f"{out_dir / unlisted[0]} is named like a shard of {name} but {manifest_path.name} "
+                        f"does not list it, so training would read it with them; move it out, or pass "
+                        f"--overwrite to remove it and make the shards again")
+    return None
 
 
 def _old_shards(out_dir, name, manifest_path):
@@ -463,6 +572,10 @@ def _write_shards(args, sources, what, name, staging):
         if total == 0:
             raise UserError(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
+        if val_tokens == 0:
+            raise UserError(f"--val_fraction {args.val_fraction} of the input's {total} tokens is 0 "
+                            f"tokens, and training needs a val split; raise --val_fraction or pass "
+                            f"--val_tokens N")
 
     writer = _ShardWriter(staging, name, args.shard_size)
     val_left = val_tokens

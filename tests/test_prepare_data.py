@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,12 +45,13 @@ def run(*args):
 
 def check_manifest(out_dir, name):
     """Checks that {name}_manifest.json lists every shard of `name` in out_dir, in file-name order,
-    with the size, token count and largest token id of the file read back; returns the manifest."""
+    with the size, mtime, token count and largest token id of the file read back; returns the manifest."""
     manifest = json.loads((out_dir / f"{name}_manifest.json").read_text())
     shards = []
     for path in sorted([*out_dir.glob(f"{name}_val_*.bin"), *out_dir.glob(f"{name}_train_*.bin")]):
         tokens = read_shard(path)
-        shards.append({"file": path.name, "bytes": path.stat().st_size, "tokens": len(tokens),
+        shards.append({"file": path.name, "bytes": path.stat().st_size,
+                       "mtime_ns": path.stat().st_mtime_ns, "tokens": len(tokens),
                        "max_token_id": int(tokens.max())})
     assert manifest["shards"] == shards
     assert manifest["max_token_id"] == max(shard["max_token_id"] for shard in shards)
@@ -92,7 +94,10 @@ def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer, "GPT2_RANKS_PATH", tampered)
     gpt2_encoding.cache_clear()
     try:
-        with pytest.raises(RuntimeError) as exc:
+        with pytest.raises(UserError) as exc:
+            gpt2_encoding()
+        tampered.unlink()
+        with pytest.raises(UserError, match=f"^cannot read {tampered}, GPT-2's tokenizer: No such file"):
             gpt2_encoding()
     finally:
         gpt2_encoding.cache_clear()
@@ -205,29 +210,35 @@ def test_txt_files_are_one_document_each(tmp_path):
 
 def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_path, monkeypatch):
     """.txt input is read without `datasets`, and as its text builder with sample_by=document
-    reads it (the reference): UTF-8, universal newlines. json input without it is one line."""
+    reads it (the reference): UTF-8, universal newlines. json input is read without it too, and
+    parquet input without it is one line."""
     from datasets import load_dataset
     path = tmp_path / "crlf.txt"
     path.write_bytes("Hello\r\nworld\r\n\rÇa va 🤖\n".encode())
     reference = [row["text"] for row in load_dataset("text", data_files=str(path), split="train",
                                                      sample_by="document", streaming=True)]
     monkeypatch.setitem(sys.modules, "datasets", None)
-    [(where, rows)] = prepare_data._sources(prepare_data._parse_args([]), [str(path)], "text", {})
-    assert [row["text"] for row in rows] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
-    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
-    with pytest.raises(UserError, match=r"^json and parquet input needs the datasets package: "
+    [(where, rows)] = prepare_data._sources(prepare_data._parse_args([]), [str(path)], "text")
+    assert [row["text"] for _, row in rows] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
+    (tmp_path / "a.jsonl").write_text('{"text": "hi there"}\n' * 10)
+    run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
+    assert split_stream(tmp_path / "out", "train").tolist() == doc_tokens(*["hi there"] * 10)[3:]
+    (tmp_path / "a.parquet").write_bytes(b"")
+    with pytest.raises(UserError, match=r"^parquet input needs the datasets package: "
                                         r"pip install datasets$"):
-        run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out")
+        run("--input", tmp_path / "a.parquet", "--output_dir", tmp_path / "out2")
 
 
 def write_rows(path, rows):
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.suffix == ".json":  # the other form datasets' json builder reads: one array
+        path.write_text(json.dumps(rows, indent=1))
     else:
         pd.DataFrame(rows).to_parquet(path)
 
 
-@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
 def test_rows_are_documents_with_text_field(tmp_path, ext):
     texts = [f"Row number {i} says hello, world." for i in range(50)] + ["", "last one"]
     write_rows(tmp_path / f"rows{ext}", [{"id": i, "content": t} for i, t in enumerate(texts)])
@@ -241,7 +252,7 @@ def test_rows_are_documents_with_text_field(tmp_path, ext):
     assert np.concatenate([val, train]).tolist() == expected
 
 
-@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
 def test_missing_text_field_is_an_error(tmp_path, ext):
     path = tmp_path / f"rows{ext}"
     write_rows(path, [{"body": "hello", "id": 1}])
@@ -418,16 +429,23 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
 @pytest.mark.parametrize("content, message", [
     ('{"text": "fine"}\n{"text": "cut\n{"text": "ok"}\n',
      "bad.jsonl line 2 is not valid JSON \\(.*\\); fix or remove that line"),
-    ('{"text": 5}\n{"text": 6}\n', "bad.jsonl line 1: field 'text' holds int '5', not text"),
-    # pyarrow skips blank lines, so row 2 is on line 3
+    ('{"text": 5}\n{"text": 6}\n', "bad.jsonl line 1's 'text' is the number 5, not a string; fix "
+                                   "that row, or choose the text with --text_field$"),
+    # a blank line is no row, but it counts as a line
     ('{"text": "a", "id": 1}\n\n{"body": "b", "id": 2}\n{"text": "c"}\n',
-     "bad.jsonl line 3 has no field 'text' \\(missing or null\\); its fields are id, body; "
-     "choose the text with --text_field$"),
-    ('{"text": "a"}\n{"text": null, "id": 2}\n',
-     "bad.jsonl line 2 has no field 'text' \\(missing or null\\)"),
+     "bad.jsonl line 3 has no field 'text'; its fields are body, id; choose the text with "
+     "--text_field$"),
+    ('{"text": "a"}\n{"text": null, "id": 2}\n', "bad.jsonl line 2's 'text' is null, not a string"),
+    ('{"text": "a"}\n{}\n', "bad.jsonl line 2 has no field 'text'; it has no fields;"),
+    ('{"text": "a"}\n\n[{"text": "b"}]\n',
+     "bad.jsonl line 3 is an array, not an object with a 'text' string; fix or remove it$"),
+    ('{"text": "a"}\nnull\n', "bad.jsonl line 2 is null, not an object with a 'text' string"),
+    ('{"text": "a"}\n"b"\n', "bad.jsonl line 2 is the string 'b', not an object with a 'text'"),
+    (b'{"text": "a"}\n{"text": "\xff"}\n',
+     "bad.jsonl line 2 is not valid UTF-8 \\(first bad byte at offset 10\\); fix or remove that line"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
-    (tmp_path / "bad.jsonl").write_text(content)
+    (tmp_path / "bad.jsonl").write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(UserError, match=message):
         run("--input", tmp_path / "bad.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
     assert not (tmp_path / "out").exists()  # a failed run leaves no empty output directory
@@ -435,7 +453,7 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
 
 def test_parquet_row_without_text_is_named_by_row(tmp_path):
     write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
-    with pytest.raises(UserError, match="rows.parquet row 2 has no field 'text' .* its fields are id;"):
+    with pytest.raises(UserError, match="rows.parquet row 2's 'text' is null, not a string;"):
         run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
 
 
@@ -448,8 +466,8 @@ def test_row_without_text_ends_the_command_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     # what comes before the error is the progress bar, drawn on one line
     assert proc.stderr.splitlines()[-1] == (
-        f"prepare_data.py: error: {tmp_path / 'bad.jsonl'} line 2 has no field 'text' (missing or "
-        f"null); its fields are body; choose the text with --text_field")
+        f"prepare_data.py: error: {tmp_path / 'bad.jsonl'} line 2 has no field 'text'; its fields "
+        f"are body; choose the text with --text_field")
     assert not (tmp_path / "out").exists()
 
 
@@ -466,7 +484,7 @@ def test_unwritable_output_dir_fails_before_tokenizing(tmp_path, monkeypatch):
 def test_empty_input_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
-    for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val_tokens", 0])]:
+    for path, extra in [("empty.txt", []), ("blank.jsonl", []), ("blank.jsonl", ["--val_tokens", 1])]:
         with pytest.raises(UserError) as exc:
             run("--input", tmp_path / path, "--output_dir", tmp_path / "out", "--workers", 1, *extra)
         assert "empty input" in str(exc.value)
@@ -499,3 +517,99 @@ def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
     assert "skipping" in capsys.readouterr().err
     assert names(out_dir) == ["bad_train_000001.bin", "bad_val_000000.bin"]
     assert split_stream(out_dir, "train").tolist() == [15496, 995]
+
+
+def test_a_json_array_item_that_is_not_a_document_is_named_by_item(tmp_path):
+    (tmp_path / "a.json").write_text('[{"text": "a"}, 5]')
+    (tmp_path / "b.json").write_text('[{"text": "a"},\n {"text": "b"]')
+    for path, message in [("a.json", "a.json item 2 is the number 5, not an object with a 'text' string"),
+                          ("b.json", "b.json is not valid JSON \\(.*line 2 column 14.*\\); fix it$")]:
+        with pytest.raises(UserError, match=message):
+            run("--input", tmp_path / path, "--output_dir", tmp_path / "out", "--workers", 1)
+
+
+def test_a_name_that_is_not_a_plain_file_name_is_refused_and_nothing_is_written(tmp_path):
+    """Every file is written as {output_dir}/{name}_*: a name with a path in it would escape."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "x" / "y" / "out"
+    proc = subprocess.run([sys.executable, prepare_data.__file__, "--input", tmp_path / "in" / "a.txt",
+                           "--name", "../../escaped", "--output_dir", out_dir],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == ("prepare_data.py: error: --name '../../escaped' is not a plain file name (it is "
+                           "empty, '.' or '..', or holds a path separator); pass --name with a plain "
+                           "name, such as books\n")
+    for name in ["a/b", "", ".", ".."]:
+        with pytest.raises(UserError, match=f"^--name '{re.escape(name)}' is not a plain file name"):
+            run("--input", tmp_path / "in" / "a.txt", "--name", name, "--output_dir", out_dir)
+    # the default name of a hub dataset is its last path component, checked before any download
+    with pytest.raises(UserError, match="^the name taken from dataset a/.. '..' is not a plain"):
+        run("--dataset", "a/..")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.txt", "in"]
+
+    # a link where the staging dir goes is replaced, not followed
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("not prepare_data's")
+    out_dir.mkdir(parents=True)
+    (out_dir / ".partial").symlink_to(tmp_path / "elsewhere")
+    run("--input", tmp_path / "in" / "a.txt", "--output_dir", out_dir, "--workers", 1)
+    assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["keep.txt"]
+
+
+def test_a_rerun_makes_missing_or_resized_shards_again(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir = tmp_path / "out"
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2,
+              "--shard_size", 3]
+    run(*common)
+    made = {name: (out_dir / name).read_bytes() for name in names(out_dir)}
+    assert len(made) == 4
+    (out_dir / "a_train_000002.bin").unlink()
+    with open(out_dir / "a_train_000003.bin", "ab") as f:
+        f.write(b"xy")
+    capsys.readouterr()
+    run(*common)
+    assert capsys.readouterr().out.startswith(f"{out_dir}/a_train_000002.bin, which a_manifest.json "
+                                              f"lists, is missing: making the shards of this input "
+                                              f"again\nwrote 4 shard(s)")
+    assert {name: (out_dir / name).read_bytes() for name in names(out_dir)} == made
+    check_manifest(out_dir, "a")
+    with open(out_dir / "a_train_000003.bin", "ab") as f:
+        f.write(b"xy")
+    run(*common)
+    assert capsys.readouterr().out.startswith(f"{out_dir}/a_train_000003.bin is 1030 bytes, not the "
+                                              f"1028 a_manifest.json lists: making the shards")
+    assert {name: (out_dir / name).read_bytes() for name in names(out_dir)} == made
+    # a file named like a shard that the manifest does not list is not removed without --overwrite
+    write_shard(out_dir / "a_train.bin", [1, 2, 3])
+    with pytest.raises(UserError, match=f"^{out_dir}/a_train.bin is named like a shard of a but "
+                                        f"a_manifest.json does not list it, so training would read it"):
+        run(*common)
+
+
+def test_input_without_a_val_split_is_refused(tmp_path, capsys):
+    """train_gpt2.py evaluates on the val split and refuses data without one."""
+    (tmp_path / "a.txt").write_text("Hello world.")
+    for option in [["--val_fraction", 0], ["--val_tokens", 0]]:
+        with pytest.raises(SystemExit):
+            run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", *option)
+        assert "training needs a val split" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^--val_fraction 0.1 of the input's 4 tokens is 0 tokens, and "
+                                        r"training needs a val split; raise --val_fraction or pass "
+                                        r"--val_tokens N$"):
+        run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", "--workers", 1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_input_that_is_not_a_file_is_named(tmp_path):
+    (tmp_path / "books.txt").mkdir()
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "moved.txt")
+    for path, message in [("books.txt", f"input {tmp_path}/books.txt is a directory, not a file; pass "
+                                        f"the files in it, e.g. --input '{tmp_path}/books.txt/\\*.txt'"),
+                          ("gone.txt", f"input {tmp_path}/gone.txt is a dangling link \\(to "
+                                       f"{tmp_path}/moved.txt: No such file or directory\\)")]:
+        with pytest.raises(UserError, match=f"^{message}"):
+            run("--input", tmp_path / path, "--output_dir", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -267,16 +267,22 @@ def _parse_args(argv):
 
 def _expand_inputs(patterns):
     """Sorted matches of each path or glob, and the reader of their extension (READERS). Raises
-    UserError for a pattern that matches nothing, a match that is not a readable file, and
-    extensions that are not one of READERS'."""
+    UserError for a pattern that matches nothing, a match that is not a readable file, a file
+    matched twice, and extensions that are not one of READERS'."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
         if not matches:
             raise UserError(f"no files match {pattern!r}")
         files += matches
-    for f in files:
+    first = {}  # the real path of each file -> the index of the first match naming it
+    for i, f in enumerate(files):
         _check_input_file(f)
+        j = first.setdefault(os.path.realpath(f), i)
+        if j != i:
+            also = "" if files[j] == f else f" (also as {files[j]})"
+            raise UserError(f"input {f} is matched more than once{also}, so its documents would be "
+                            f"in the data twice; pass each file once")
     extensions = sorted({Path(f).suffix.lower() for f in files})
     unsupported = [e or "(none)" for e in extensions if e not in READERS]
     if unsupported:

@@ -117,9 +117,12 @@ def shard_name(filename):
 def split_paths(data_dir, split, dataset="", required=False):
     """The paths of one split's shards in data_dir (as shard_name reads them), in name order:
     those of `dataset`, or of the only dataset there. Raises UserError when `dataset` is empty and
-    data_dir holds several datasets' shards (rather than mix corpora), and, if `required`, when
-    there are none, naming the command that makes them."""
+    data_dir holds several datasets' shards (rather than mix corpora), when data_dir is a file,
+    and, if `required`, when there are none, naming the command that makes them."""
     data_dir = Path(data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise UserError(f"data_dir {data_dir} is a file, not a directory of shards; pass the directory "
+                        f"that holds the shards")
     named = {p: shard_name(p.name) for p in data_dir.glob("*.bin")}
     named = {p: name for p, name in named.items() if name}
     if not dataset:

@@ -102,3 +102,11 @@ def test_a_path_named_like_a_shard_that_is_not_one_is_named_in_one_line(tmp_path
     path = data / "tiny_train_000001.bin"
     damage(path)
     assert re.match(re.escape(message.format(path=path)), refused(data, tmp_path / "out"))
+
+
+def test_a_data_dir_that_is_a_file_is_named(tmp_path):
+    """A shard passed as --data_dir was read as a directory holding no shards."""
+    make_shards(tmp_path / "data")
+    shard = tmp_path / "data" / "tiny_train_000001.bin"
+    assert refused(shard, tmp_path / "out") == (f"data_dir {shard} is a file, not a directory of "
+                                                f"shards; pass the directory that holds the shards")

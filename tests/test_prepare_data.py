@@ -603,13 +603,20 @@ def test_input_without_a_val_split_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_input_that_is_not_a_file_is_named(tmp_path):
+def test_an_input_that_is_not_a_file_or_is_matched_twice_is_named(tmp_path):
     (tmp_path / "books.txt").mkdir()
     (tmp_path / "gone.txt").symlink_to(tmp_path / "moved.txt")
-    for path, message in [("books.txt", f"input {tmp_path}/books.txt is a directory, not a file; pass "
-                                        f"the files in it, e.g. --input '{tmp_path}/books.txt/\\*.txt'"),
-                          ("gone.txt", f"input {tmp_path}/gone.txt is a dangling link \\(to "
-                                       f"{tmp_path}/moved.txt: No such file or directory\\)")]:
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")
+    for inputs, message in [
+            (["books.txt"], f"input {tmp_path}/books.txt is a directory, not a file; pass the files in "
+                            f"it, e.g. --input '{tmp_path}/books.txt/\\*.txt'"),
+            (["gone.txt"], f"input {tmp_path}/gone.txt is a dangling link \\(to {tmp_path}/moved.txt: "
+                           f"No such file or directory\\)"),
+            (["a.txt", "a*.txt"], f"input {tmp_path}/a.txt is matched more than once, so its documents "
+                                  f"would be in the data twice; pass each file once$"),
+            (["a.txt", "link.txt"], f"input {tmp_path}/link.txt is matched more than once \\(also as "
+                                    f"{tmp_path}/a.txt\\)")]:
         with pytest.raises(UserError, match=f"^{message}"):
-            run("--input", tmp_path / path, "--output_dir", tmp_path / "out")
+            run("--input", *[tmp_path / i for i in inputs], "--output_dir", tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -53,6 +53,7 @@ TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
 
 # how each file extension is read: text and json here, parquet by `datasets`' builder
 READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 
 PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
@@ -481,11 +482,18 @@ class _JsonFile:
 
 def _json_value(data, name, fix):
     """The JSON value in the bytes `data`, which `name` names. Raises UserError, ending with `fix`,
-    for bytes that are not UTF-8 JSON (a UTF-8 byte order mark before them is allowed)."""
+    for bytes that are not UTF-8 JSON (a UTF-8 byte order mark before them is allowed), or whose
+    strings hold a lone surrogate escape such as \\ud800, which is no Unicode text."""
     try:
-        return json.loads(data.decode("utf-8-sig"))
+        value = json.loads(data.decode("utf-8-sig"))
+        if SURROGATE_ESCAPE.search(data):  # a pair decodes to one character; a lone one cannot
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
     except UnicodeDecodeError as e:
         raise UserError(f"{name} is not valid UTF-8 (first bad byte at offset {e.start}); {fix}") from None
+    except UnicodeEncodeError as e:
+        raise UserError(f"{name} holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), "
+                        f"which is no Unicode text; {fix}") from None
     except ValueError as e:
         raise UserError(f"{name} is not valid JSON ({e}); {fix}") from None
 

@@ -443,6 +443,10 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     ('{"text": "a"}\n"b"\n', "bad.jsonl line 2 is the string 'b', not an object with a 'text'"),
     (b'{"text": "a"}\n{"text": "\xff"}\n',
      "bad.jsonl line 2 is not valid UTF-8 \\(first bad byte at offset 10\\); fix or remove that line"),
+    # a surrogate pair is one character; a lone surrogate is no text to tokenize
+    ('{"text": "\\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n',
+     "bad.jsonl line 2 holds a lone surrogate escape \\(\\\\ud800\\), which is no Unicode text; "
+     "fix or remove that line$"),
 ])
 def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_bytes(content if isinstance(content, bytes) else content.encode())

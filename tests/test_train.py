@@ -70,9 +70,9 @@ def test_a_device_this_machine_lacks_is_refused_before_any_work(device, message)
 
 
 def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
-    """prepare_data's manifest is trusted where a shard's name and size match it; other shards are
-    read once, and the result is kept in out_dir keyed by size and mtime: a shard rewritten in
-    place (same size and mtime) is not read again, one with a new mtime is."""
+    """prepare_data's manifest is trusted where a shard's name, size and mtime match it; other
+    shards are read once, and the result is kept in out_dir keyed by size and mtime: a shard
+    rewritten in place (same size and mtime) is not read again, one with a new mtime is."""
     import json
 
     from gpt2_ddp import shards
@@ -90,7 +90,7 @@ def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
     os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert shards.max_token_ids(paths, cache, 0, 1, reduce_max)[0] == 500  # read again
     manifest = {"shards": [{"file": p.name, "bytes": p.stat().st_size, "tokens": 0,
-                            "max_token_id": 7} for p in paths[1:]]}
+                            "mtime_ns": p.stat().st_mtime_ns, "max_token_id": 7} for p in paths[1:]]}
     (data / "tiny_manifest.json").write_text(json.dumps(manifest))
     cache.unlink()
     assert shards.max_token_ids(paths, cache, 0, 1, reduce_max) == [500, 7, 7]

@@ -3,6 +3,7 @@ Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and s
 any command with its output streamed.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,53 @@ def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=Non
             *torchrun_args, script, *args]
 
 
+STOP_GRACE_S = 60  # how long a stopped child may take to end (a training run saves its last step)
+
+
+def send(child, signum, own_session):
+    """Sends signum to the child, or to its whole process group when it runs in a session of its own."""
+    if own_session:
+        os.killpg(child.pid, signum)
+    else:
+        child.send_signal(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_end(child, own_session):
+    """While the block waits on child, SIGTERM or SIGINT to this process passes SIGTERM on to the
+    child, waits up to STOP_GRACE_S for it to end (then kills it), and exits with 128 + the signal's
+    number, so no child outlives the script. Only the main thread can take signals: elsewhere it
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopped = []
+
+    def stop(signum, frame):
+        for s in handlers:  # a second signal while the child ends must not leave it behind
+            signal.signal(s, signal.SIG_IGN)
+        print(f"{Path(sys.argv[0]).name}: stopped by {signal.Signals(signum).name}; ending the "
+              f"command it runs", file=sys.stderr, flush=True)
+        send(child, signal.SIGTERM, own_session)
+        stopped.append(signum)
+        raise SystemExit(128 + signum)  # out of the block's wait, which holds Popen's lock
+
+    handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except SystemExit:
+        if stopped:
+            try:
+                child.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                send(child, signal.SIGKILL, own_session)
+                child.wait()
+        raise
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def stream(cmd, on_line, timeout=None, env=None, own_session=False):
     """Runs cmd in the repo root with the environment `env` (None: this process's), calling
     on_line(line, from_stdout) for each output line as it comes, one call at a time. Returns
@@ -50,12 +98,10 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
     for reader in readers:
         reader.start()
     try:
-        code = child.wait(timeout)
+        with stop_signals_end(child, own_session):
+            code = child.wait(timeout)
     except subprocess.TimeoutExpired:
-        if own_session:
-            os.killpg(child.pid, signal.SIGKILL)
-        else:
-            child.kill()
+        send(child, signal.SIGKILL, own_session)
         child.wait()
         code = None
     for reader in readers:

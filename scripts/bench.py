@@ -13,6 +13,8 @@ Each variant runs train_gpt2.py with the config, its overrides, `--profile=true`
 `--key=value` arguments. Profiled steps 3-5 give the time split, with rank 0's trace in
 {out}/{variant}/trace_rank0.json, and tokens/s is the median of the steps after them. The all-reduce
 wait is the syncing micro-step's extra time over the others ('-' when grad_accum_steps is 1).
+A rerun replaces only the variant directories that bench.py made; SIGTERM or Ctrl-C ends the
+training run too.
 """
 
 import json
@@ -51,16 +53,49 @@ def parse_variant(spec):
 
 
 def plan(specs, micro_batch_sizes):
-    """(name, overrides) of each variant and micro-batch size. Raises UserError for an unknown variant."""
-    return ([parse_variant(spec) for spec in specs]
-            + [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes])
+    """(name, overrides) of each variant and micro-batch size. Raises UserError for an unknown
+    variant, a name that is not a plain directory name or is repeated, or a micro-batch size below 1."""
+    if min(micro_batch_sizes, default=1) < 1:
+        raise UserError(f"--micro_batch_sizes must be >= 1, not {min(micro_batch_sizes)}")
+    variants = ([parse_variant(spec) for spec in specs]
+                + [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes])
+    names = [name for name, _ in variants]
+    for name in names:
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise UserError(f"variant name {name!r} is not a plain directory name; write "
+                            f"name:--key=value,... with a name such as 'fast'")
+        if names.count(name) > 1:
+            raise UserError(f"variant {name!r} is listed twice; give each its own name")
+    return variants
+
+
+# a directory holding this file is a variant's run that bench.py made, so a rerun may replace it
+MARKER = ".made_by_bench"
+
+
+def made_here(out):
+    """Whether the directory out is a variant's run that bench.py made (and so may replace)."""
+    return out.is_dir() and not out.is_symlink() and (out / MARKER).is_file()
+
+
+def check_out_dirs(names, out_dir):
+    """Raises UserError for an {out_dir}/{name} that exists and is not a run bench.py made, before
+    any variant trains: bench.py replaces only its own."""
+    for name in names:
+        out = Path(out_dir) / name
+        if (out.exists() or out.is_symlink()) and not made_here(out):
+            raise UserError(f"{out} exists and was not made by bench.py, which writes each variant's "
+                            f"run there; pass another --out_dir or move it away")
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant; returns its log records and rank 0's trace path. Raises UserError if it fails."""
+    """Trains one variant in {out_dir}/{name}, replacing bench.py's own run there; returns its log
+    records and rank 0's trace path. Raises UserError if it fails."""
     out = Path(args.out_dir) / name
-    if out.exists():
+    if made_here(out):
         shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("scripts/bench.py made this directory and replaces it when rerun\n")
     runs.train([*train_args, *overrides, f"--max_steps={UNTIMED_STEPS + args.steps}",
                 "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                 "--keep_checkpoints=1", "--profile=true", f"--out_dir={out}", "--resume=never"],
@@ -162,8 +197,10 @@ def main(argv):
     args, train_args = parser.parse_known_args(argv)
     if min(args.nproc, args.steps) < 1:
         parser.error("--nproc and --steps must be >= 1")
+    variants = plan(args.variants, args.micro_batch_sizes)
+    check_out_dirs([name for name, _ in variants], args.out_dir)
     rows = {}
-    for name, overrides in plan(args.variants, args.micro_batch_sizes):
+    for name, overrides in variants:
         rows[name] = summarize(*run(name, overrides, args, train_args))
     print_table(rows)
 

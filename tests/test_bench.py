@@ -1,21 +1,28 @@
 """scripts/bench.py on a tiny CPU config: every variant runs, is profiled, and gets a table row."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from scripts import timeline
+from scripts import bench, timeline
 from train_gpt2 import GPT, load_config
 
 
 def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     make_shards(tmp_path / "data", n_train=20000)
     args = [arg for arg in TINY if not arg.startswith("--compile")]
+    earlier = tmp_path / "bench" / "eager"  # a run of bench.py's own is replaced
+    earlier.mkdir(parents=True)
+    (earlier / bench.MARKER).touch()
+    (earlier / "old.txt").touch()
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench", *args, f"--data_dir={tmp_path}/data",
          "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
@@ -23,6 +30,7 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
          "--micro_batch_sizes", "1", "--out_dir", str(tmp_path / "bench")],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (earlier / "old.txt").exists() and (earlier / bench.MARKER).is_file()
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["variant", "tok/s", "ms/step", "MFU"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
@@ -58,3 +66,57 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     assert {kind for kind, _, _ in compute} == {"data", "forward", "backward", "optimizer"}
     with pytest.raises(UserError, match="no trace_rank\\*.json in"):
         timeline.main([str(tmp_path)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", ":--compile=false"], "variant name '' is not a plain directory name"),
+    (["--variants", "../../x:--compile=false"], "variant name '../../x' is not a plain directory name"),
+    (["--variants", "eager", "eager"], "variant 'eager' is listed twice"),
+    (["--micro_batch_sizes", "1", "0"], "--micro_batch_sizes must be >= 1, not 0"),
+    (["--variants", "eager", "mine:--compile=false"], "mine exists and was not made by bench.py"),
+])
+def test_bench_refuses_before_training_what_would_delete_or_fail_late(tmp_path, args, message):
+    """A name that is not plain (the empty one once deleted all of --out_dir), a directory bench.py
+    did not make, or a bad micro-batch size is refused before the first variant trains."""
+    mine = tmp_path / "bench" / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "x").mkdir()
+    with pytest.raises(UserError, match=re.escape(message)):
+        bench.main([*TINY, f"--data_dir={tmp_path}/data", "--out_dir", str(tmp_path / "bench"), *args])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["bench", "mine", "notes.txt", "x"]
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
+def training_processes(marker):
+    """The pids of live processes whose command line holds `marker`, this one's aside."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and marker in cmdline and state != "Z" and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_sigterm_to_bench_ends_its_training_processes(tmp_path):
+    """bench.py passes SIGTERM on to the torchrun it runs and ends only when its workers have."""
+    make_shards(tmp_path / "data", n_train=20000)
+    out = tmp_path / "bench"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.bench", *TINY, f"--data_dir={tmp_path}/data",
+         "--total_batch_size=128", "--nproc", "2", "--steps", "100000", "--variants", "eager",
+         "--out_dir", str(out)],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("eager: step"):
+            break
+    assert len(training_processes(str(out))) >= 4  # bench.py, torchrun and its two workers
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+    assert "bench.py: stopped by SIGTERM; ending the command it runs\n" in rest
+    assert training_processes(str(out)) == []

@@ -2,6 +2,7 @@
 goes through every part and writes the report, and a part past its time limit is killed."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -66,6 +67,30 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch
     text = (report / "report.md").read_text()
     assert "| quick | passed |" in text and "| hang | timed out |" in text
     assert "The end of hang.log:" in text and "hanging" in text
+    child = int(pid_file.read_text())
+    try:  # gone, or a zombie that nobody reaps in a container without init
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
+
+
+def test_sigint_to_the_launcher_ends_the_process_group_it_started(tmp_path):
+    """runs.stream, which gpu_check.py runs each part with in a session of its own (where Ctrl-C
+    in the terminal does not reach), passes a SIGINT on to the part's whole process group."""
+    pid_file = tmp_path / "child.pid"
+    hang = ("import subprocess, time; child = subprocess.Popen(['sleep', '300']); "
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('hanging', flush=True); "
+            "time.sleep(300)")
+    launcher = ("import sys; from gpt2_ddp import runs; "
+                f"runs.stream([sys.executable, '-c', {hang!r}], "
+                "lambda line, _: print(line, end='', flush=True), own_session=True)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "hanging\n"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT
+    assert "stopped by SIGINT; ending the command it runs" in proc.stderr.read()
     child = int(pid_file.read_text())
     try:  # gone, or a zombie that nobody reaps in a container without init
         state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]

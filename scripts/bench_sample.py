@@ -124,6 +124,8 @@ def main(argv):
         raise UserError("--devices cuda: torch sees no CUDA device here; pass --devices cpu")
     if args.repeats < 1 or min(args.new_tokens) < 1 or min(args.n_layer, args.n_head) < 1:
         raise UserError("--repeats, --new_tokens, --n_layer and --n_head must be >= 1")
+    if not 0 <= args.seed < 2**63:  # seed + repeat stays in torch's range, below 2**64
+        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.n_embd < 1 or args.n_embd % args.n_head:
         raise UserError(f"--n_embd must be a positive multiple of --n_head={args.n_head}, got "
                         f"{args.n_embd}")

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from gpt2_ddp import configurator, hellaswag
+from gpt2_ddp.configurator import UserError
+from scripts.sample import device_of
 from train_gpt2 import GPT
 
 GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, this scoring
@@ -29,13 +31,16 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.examples < 0:
         parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")
+    device = device_of(args.device)
+    if Path(args.path).is_dir():
+        raise UserError(f"--path {args.path} is a directory: pass the validation jsonl's path")
     if not Path(args.path).exists():
         hellaswag.download(args.path)
     examples = hellaswag.load_examples(args.path, args.examples)
-    model = GPT.from_pretrained(args.source, args.device)
+    model = GPT.from_pretrained(args.source, device)
     torch.set_float32_matmul_precision("high")  # TF32, as build-nanogpt scored GPT-2
     examples = hellaswag.render_all(examples, model.config.block_size, model.config.vocab_size)
-    result = hellaswag.evaluate(model, examples, torch.device(args.device))
+    result = hellaswag.evaluate(model, examples, device)
     print(f"{args.source}: {hellaswag.summary(result)}")
     if args.source in GPT2_ACC_NORM:
         print(f"build-nanogpt reports acc_norm {GPT2_ACC_NORM[args.source]} for {args.source}")

@@ -10,6 +10,7 @@ gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). A --seed gives the sam
 """
 
 import codecs
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,21 @@ from gpt2_ddp import configurator
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 from train_gpt2 import GPT
+
+
+def device_of(name):
+    """The torch.device that a --device option names: cpu, cuda, cuda:N or mps. Raises UserError
+    for another name, or for a device that this machine or this build of torch lacks."""
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise UserError(f"--device={name} is not a device: pass cpu, cuda, cuda:N or mps")
+    device = torch.device(name)
+    count = torch.cuda.device_count()  # 0 where torch was built without CUDA
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise UserError(f"--device={name}: torch sees {count} CUDA device(s) here; pass "
+                        f"--device=cpu" + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available here; pass --device=cpu")
+    return device
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):
@@ -62,6 +78,9 @@ def main(argv):
             or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0):
         parser.error("--temperature must be > 0, --top_k >= 0, --num_samples >= 1, "
                      "--max_new_tokens >= 0")
+    if not -2**63 <= args.seed < 2**64:
+        parser.error(f"--seed must be in [-2**63, 2**64), the range torch seeds from; got {args.seed}")
+    device = device_of(args.device)
     prompt = args.prompt
     if args.prompt_file:
         try:
@@ -71,11 +90,11 @@ def main(argv):
         except UnicodeDecodeError as e:
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
-    model = GPT.from_pretrained(args.source, args.device).use_decoding_layout()
+    model = GPT.from_pretrained(args.source, device).use_decoding_layout()
     if args.compile:
         model.compile()  # compiles the forward that generate() calls
     enc = gpt2_encoding()
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} of {args.num_samples}")

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
-from scripts import plot
+from scripts import bench_sample, hellaswag, plot
 from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
 
@@ -61,6 +61,32 @@ def test_a_bad_source_is_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr == (f"sample.py: error: {tmp_path} holds neither checkpoints (ckpt_NNNNNNN.pt) "
                            f"nor a Hugging Face config.json\n")
+
+
+def test_a_device_this_torch_lacks_is_one_line(hf_tiny):
+    count = torch.cuda.device_count()  # 0 on a CPU-only torch
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(hf_tiny), f"--device=cuda:{count}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr == (f"sample.py: error: --device=cuda:{count}: torch sees {count} CUDA device(s) "
+                           f"here; pass --device=cpu" + (f" or cuda:0 to cuda:{count - 1}" if count else "")
+                           + "\n")
+
+
+@pytest.mark.parametrize("main, options", [(sample_main, []), (hellaswag.main, ["--path", "nowhere.jsonl"])])
+def test_a_device_that_is_no_device_is_refused_before_any_work(main, options, tmp_path):
+    """Before the model loads and before HellaSwag's file is downloaded."""
+    with pytest.raises(UserError, match="^--device=banana is not a device: pass cpu, cuda, cuda:N or mps$"):
+        main([str(tmp_path / "nowhere"), "--device=banana", *options])
+
+
+def test_a_seed_beyond_torchs_range_is_refused(hf_tiny, capsys):
+    with pytest.raises(SystemExit):
+        sample_main([str(hf_tiny), "--seed", str(2**64)])
+    assert capsys.readouterr().err.endswith(f" error: --seed must be in [-2**63, 2**64), the range "
+                                            f"torch seeds from; got {2**64}\n")
+    with pytest.raises(UserError, match=rf"^--seed must be in \[0, 2\*\*63\), got {2**64}$"):
+        bench_sample.main(["--devices", "cpu", "--seed", str(2**64)])
 
 
 def test_an_empty_prompt_starts_from_endoftext(hf_tiny, tmp_path, capsys):

@@ -52,11 +52,18 @@ def pyplot():
 
 
 def save_png(fig, out):
-    """Writes the figure to the PNG `out`, whole or not at all (atomic_write), and closes it."""
-    fig.tight_layout()
-    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    """Writes the figure to the PNG `out`, whole or not at all (atomic_write), and closes it.
+    Raises UserError, naming the path, when `out` is a directory or cannot be written."""
     import matplotlib.pyplot as plt
-    plt.close(fig)
+    try:
+        if Path(out).is_dir():
+            raise UserError(f"{out} is a directory: pass --out the path of a PNG file")
+        fig.tight_layout()
+        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror}; pass --out a path you can write") from None
+    finally:
+        plt.close(fig)
 
 
 def plot(runs, out):
@@ -92,6 +99,19 @@ def plot(runs, out):
     save_png(fig, out)
 
 
+def check_records(log, records):
+    """Raises UserError, naming the log and the record, unless every record is a JSON object with a
+    number under "step" and a number or null under each other key that PANELS plots."""
+    for number, record in enumerate(records, 1):
+        step = record.get("step") if isinstance(record, dict) else None
+        if type(step) not in (int, float):  # type(): a JSON true is a bool, which is an int
+            raise UserError(f"{log}: record {number} has no step number: not a log.jsonl of "
+                            f"train_gpt2.py?")
+        for key in ["val_loss", *(key for _, key, _ in PANELS)]:
+            if type(record.get(key)) not in (int, float, type(None)):
+                raise UserError(f"{log}: record {number} has {key} {record[key]!r}, not a number")
+
+
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("logs", nargs="+", help="log.jsonl files or the out_dirs holding them")
@@ -104,6 +124,7 @@ def main(argv):
         while label in runs:
             label += "'"
         runs[label] = read_log(path)
+        check_records(path / "log.jsonl" if path.is_dir() else path, runs[label])
     first = Path(args.logs[0])
     out = args.out or (first if first.is_dir() else first.parent) / "plot.png"
     plot(runs, out)

@@ -48,10 +48,16 @@ def gloo_collectives(events):
             yield next(queues.get(ran_as, iter(())), ran_as), e
 
 
+def complete(event):
+    """Whether a trace event is a complete one ("ph": "X") with a name, a start and a duration."""
+    return (isinstance(event, dict) and event.get("ph") == "X" and isinstance(event.get("name"), str)
+            and all(type(event.get(key)) in (int, float) for key in ("ts", "dur")))
+
+
 def lanes(trace, steps):
     """(compute, collectives) lists of (kind, start_ms, duration_ms) from the first `steps` profiled
     steps of one rank's trace. Raises UserError for a trace without profiled steps."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = [e for e in trace["traceEvents"] if complete(e)]
     windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e["name"].startswith("ProfilerStep#"))
     if not windows:
@@ -106,6 +112,8 @@ def main(argv):
     parser.add_argument("--out", help="the PNG (default: timeline.png beside the traces)")
     parser.add_argument("--title")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     run = Path(args.run)
     paths = sorted(run.glob("trace_rank*.json")) if run.is_dir() else [run]
     if not paths:
@@ -115,9 +123,14 @@ def main(argv):
     for path in paths:
         match = re.search(r"rank(\d+)", path.name)
         try:
-            traces[int(match[1]) if match else 0] = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+            trace = json.loads(path.read_text())
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror}") from None
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+            raise UserError(f"{path} is not JSON ({e}): not a trace of train_gpt2.py") from None
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            raise UserError(f"{path} holds no traceEvents list: not a trace of train_gpt2.py")
+        traces[int(match[1]) if match else 0] = trace
     out = args.out or (run if run.is_dir() else run.parent) / "timeline.png"
     draw(traces, out, args.steps, args.title)
     print(f"wrote {out}")

@@ -2,6 +2,7 @@
 real training logs."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 from conftest import ROOT
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
-from scripts import bench_sample, hellaswag, plot
+from scripts import bench_sample, hellaswag, plot, timeline
 from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
 
@@ -126,7 +127,60 @@ def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_plot_without_matplotlib_says_what_to_install(equiv_runs_dir, tmp_path, monkeypatch):
+
+
+def write_log(run_dir, records):
+    run_dir.mkdir()
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    run = write_log(tmp_path / "run", [{"step": 0, "loss": 3.0}])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(UserError, match="matplotlib is not installed: pip install matplotlib"):
-        plot.main([str(equiv_runs_dir / "world_size_1"), "--out", str(tmp_path / "p.png")])
+        plot.main([str(run), "--out", str(tmp_path / "p.png")])
+
+
+def test_plot_to_a_directory_or_where_it_cannot_write_is_one_line(tmp_path):
+    run = write_log(tmp_path / "run", [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.5}])
+    proc = subprocess.run([sys.executable, "-m", "scripts.plot", str(run), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr == f"plot.py: error: {tmp_path} is a directory: pass --out the path of a PNG file\n"
+    out = run / "log.jsonl" / "plot.png"  # under a file: run as root, a read-only directory would not stop it
+    with pytest.raises(UserError, match=f"^cannot write {out}: Not a directory; pass --out a path you "
+                                        f"can write$"):
+        plot.main([str(run), "--out", str(out)])
+    assert sorted(p.name for p in run.iterdir()) == ["log.jsonl"]
+
+
+@pytest.mark.parametrize("record, message", [
+    ([0, 3.0], "record 2 has no step number: not a log.jsonl of train_gpt2.py\\?"),
+    ({"loss": 3.0}, "record 2 has no step number"),
+    ({"step": 1, "loss": "3.0"}, "record 2 has loss '3.0', not a number"),
+])
+def test_plot_of_a_log_that_is_not_train_gpt2s_is_one_line(tmp_path, record, message):
+    run = write_log(tmp_path / "run", [{"step": 0, "loss": 3.0, "mfu": None}, record])
+    with pytest.raises(UserError, match=f"^{run / 'log.jsonl'}: {message}"):
+        plot.main([str(run)])
+
+
+def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tmp_path, capsys):
+    trace = tmp_path / "trace_rank0.json"
+    trace.write_text("[]")
+    with pytest.raises(UserError, match=f"^{trace} holds no traceEvents list: not a trace of train_gpt2.py$"):
+        timeline.main([str(trace)])
+    step = {"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 10}
+    trace.write_text(json.dumps({"traceEvents": [step, 7, {"ph": "X", "name": "forward", "ts": "1"}]}))
+    with pytest.raises(UserError, match=f"^{tmp_path} is a directory: pass --out the path of a PNG file$"):
+        timeline.main([str(trace), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        timeline.main([str(trace), "--steps", "0"])
+    assert capsys.readouterr().err.endswith(" error: --steps must be >= 1, got 0\n")
+
+
+def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=f"^--path {tmp_path} is a directory: pass the validation "
+                                        f"jsonl's path$"):
+        hellaswag.main(["gpt2", "--path", str(tmp_path), "--device", "cpu"])

@@ -15,6 +15,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from gpt2_ddp.configurator import UserError
+
 GB = 2**30
 
 
@@ -99,3 +101,37 @@ def summary(config, world_size, device_type, counts):
     return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, "
             f"{config.sharding}, activation checkpointing "
             f"{'on' if config.activation_checkpointing else 'off'})")
+
+
+def available_bytes(device):
+    """(bytes, words) of memory `device` (a torch.device) can still allocate: CUDA's free memory, or
+    on Linux CPUs MemAvailable plus free swap from /proc/meminfo; None where it cannot be known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"{device} has {free / GB:.1f} GB free"
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                kb = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        except OSError:
+            return None
+        available = (kb["MemAvailable"] + kb.get("SwapFree", 0)) * 1024
+        return available, f"this machine has {available / GB:.1f} GB available (memory and swap)"
+    return None
+
+
+def checked_summary(config, world_size, device, counts):
+    """summary()'s line for `device` (a torch.device). Raises UserError, in one line, when the
+    planned parameters, gradients and optimizer state per rank exceed available_bytes(device)."""
+    # refused only on what the optimizer step surely holds: not the activations, nor autocast's bf16
+    # copies (absent from the CPU plan) or exact_reduction's float64 sums, freed by then
+    surely = plan(dataclasses.replace(config, exact_reduction=False), world_size, "cpu", counts)
+    held = {part: surely[part] for part in ("parameters", "gradients", "optimizer state")}
+    available = available_bytes(device)
+    if available is not None and sum(held.values()) > available[0]:
+        total = plan(config, world_size, device.type, counts)["total"]
+        sizes = ", ".join(f"{part} {size / GB:.1f} GB" for part, size in held.items())
+        raise UserError(f"the model needs at least {sum(held.values()) / GB:.1f} GB per rank ({sizes}; "
+                        f"memory_plan's total with activations {total / GB:.1f} GB) but {available[1]}; "
+                        "lower n_layer, n_embd or vocab_size, or shard it over more ranks (--sharding=fsdp)")
+    return summary(config, world_size, device.type, counts)

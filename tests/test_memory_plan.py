@@ -5,11 +5,14 @@ runs), and the GPT-2 size configs kept runnable."""
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from conftest import ROOT, TINY, read_log, run_training
+from conftest import ROOT, TINY, make_shards, read_log, run_training
 from gpt2_ddp import memory_plan
+from gpt2_ddp.configurator import UserError
 from scripts.memory_plan import main as memory_plan_main, measure
 from train_gpt2 import Config, load_config, memory_counts, meta_model
 
@@ -87,6 +90,46 @@ def test_a_world_size_or_gpu_memory_out_of_range_is_refused(capsys, option, valu
         memory_plan_main(["configs/gpt2_124m.toml", option, value])
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.endswith(f": error: {rule}\n")
+
+
+def test_a_model_whose_state_exceeds_the_available_memory_is_refused(monkeypatch):
+    """GPT-2 124M is refused one byte short of its parameters, gradients and AdamW's two moments (16
+    bytes a parameter), not for the activations, autocast's bf16 copies or exact_reduction's float64
+    sums that the plan adds; nor where the memory is unknown (MPS)."""
+    config = dataclasses.replace(load_config([str(ROOT / "configs" / "gpt2_124m.toml")]),
+                                 exact_reduction=True)
+    counts = memory_counts(config)
+    held = 16 * counts["params"]
+    for device, total in ((torch.device("cpu"), 63.7), (torch.device("cuda:1"), 54.2)):
+        assert memory_plan.plan(config, 1, device.type, counts)["total"] > 20 * held
+        monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held, f"{d} has enough"))
+        assert memory_plan.checked_summary(config, 1, device, counts).startswith("memory plan per rank")
+        monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held - 1, f"{d} has too little"))
+        with pytest.raises(UserError) as excinfo:
+            memory_plan.checked_summary(config, 1, device, counts)
+        assert str(excinfo.value) == (
+            "the model needs at least 1.9 GB per rank (parameters 0.5 GB, gradients 0.5 GB, optimizer "
+            f"state 0.9 GB; memory_plan's total with activations {total} GB) but {device} has too "
+            "little; lower n_layer, n_embd or vocab_size, or shard it over more ranks (--sharding=fsdp)")
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda d: None)
+    assert memory_plan.checked_summary(config, 1, torch.device("mps"), counts)
+
+
+def test_train_refuses_a_model_larger_than_this_machine_before_building_it(tmp_path):
+    """A 10**9-token vocabulary at n_embd 1024 (16 TB of parameters, gradients and AdamW state) is
+    refused in one line that names the plan and this machine's memory, before anything allocates."""
+    make_shards(tmp_path / "data")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, "--vocab_size=1000000000",
+                           "--n_embd=1024", f"--data_dir={tmp_path / 'data'}",
+                           f"--out_dir={tmp_path / 'out'}", "--hellaswag_interval=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_gpt2.py: error: the model needs at least "
+                                                   "15259.2 GB per rank (parameters 3814.8 GB"), proc.stderr
+    assert " but this machine has " in lines[0] and " GB available (memory and swap); " in lines[0]
+    assert time.monotonic() - started < 30
 
 
 def test_gpt2_1558m_config_runs_on_cpu_with_tiny_sizes(tmp_path, tiny_data):

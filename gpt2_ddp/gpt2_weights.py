@@ -25,19 +25,37 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 SHAPE_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
               "n_positions": "block_size", "vocab_size": "vocab_size"}
 MODEL_KEYS = (*SHAPE_KEYS.values(), "bias")  # the Config keys that fix the model's shape
+SOURCES = (f"a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or "
+           f"{', '.join(HUB_NAMES)}")
+ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins
+NOT_OURS = "not a train_gpt2.py checkpoint"  # how checkpoints.load words a file of other contents
+JSON_KINDS = {str: "a string", float: "a float", bool: "a boolean", type(None): "null", list: "an array",
+              dict: "an object"}
 
 
 def load_weights(source, weights=True):
     """(shape, state) of `source`, a train_gpt2.py checkpoint (any format version), an out_dir (its
     newest ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its
     values, state is its model state dict (None without `weights`). Raises UserError for a source
-    that is none of these or cannot be read."""
+    that is none of these, a file that is not a train_gpt2.py checkpoint, or a damaged one."""
     path = checkpoints.resolve(source)
     if path is None:
         return load_hf(source, weights)
     try:
+        with open(path, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if head != ZIP_MAGIC:  # a damaged checkpoint of ours still starts as the zip torch.save wrote
+        what = "it is empty" if not head else "it is not the zip archive that torch.save writes"
+        raise UserError(f"{path} is not a train_gpt2.py checkpoint ({what}); pass {SOURCES}")
+    try:
         ckpt = checkpoints.load(path)
     except checkpoints.Unloadable as e:
+        if str(e).startswith(NOT_OURS):
+            detail = str(e).removeprefix(NOT_OURS).strip(": ")  # "no model, optimizer, ..."
+            raise UserError(f"{path} is not a train_gpt2.py checkpoint (it holds {detail}); pass "
+                            f"{SOURCES}") from None
         raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
                         f"ckpt_*.pt of its out_dir") from None
     return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None
@@ -67,17 +85,47 @@ def hf_dir(source):
     return path
 
 
+def read_hf_config(path):
+    """The config.json of the Hugging Face directory `path`, as a dict whose SHAPE_KEYS are
+    positive integers (n_embd a multiple of n_head). Raises UserError, naming the file, when it
+    cannot be read, is not a JSON object, or lacks one of them or has one of another type."""
+    file = path / "config.json"
+    try:
+        hf_config = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise UserError(f"{file} is not valid JSON ({str(e)[:150]}): not a GPT-2 config") from None
+    if not isinstance(hf_config, dict):
+        raise UserError(f"{file} holds {JSON_KINDS[type(hf_config)]}, not a JSON object: not a "
+                        f"GPT-2 config")
+    missing = [k for k in SHAPE_KEYS if k not in hf_config]
+    if missing:
+        raise UserError(f"{file} lacks {', '.join(missing)}: not a GPT-2 config")
+    for key in SHAPE_KEYS:
+        value = hf_config[key]
+        if type(value) is not int or value < 1:  # type(): a JSON true is a bool, which is an int
+            kind = f", {JSON_KINDS[type(value)]}" if type(value) is not int else ""
+            raise UserError(f"{file}: {key} is {json.dumps(value)[:50]}{kind}, not a positive "
+                            f"integer")
+    if hf_config["n_embd"] % hf_config["n_head"]:
+        raise UserError(f"{file}: n_embd {hf_config['n_embd']} is not a multiple of n_head "
+                        f"{hf_config['n_head']}")
+    return hf_config
+
+
 def load_hf(source, weights=True):
     """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir). Returns (shape, state_dict):
     shape maps MODEL_KEYS to its values; state_dict is keyed and laid out as GPT.state_dict(),
-    float32, or None without `weights` (only config.json is read). Raises UserError for a checkpoint
-    not of GPT-2's architecture; the caller checks tensor shapes (state_mismatch)."""
-    from safetensors.torch import load_file
+    float32, or None without `weights` (only config.json is read). Raises UserError for a config
+    (read_hf_config) or weights file that cannot be read, a checkpoint not of GPT-2's architecture,
+    or a tensor that is not finite floats; the caller checks tensor names and shapes
+    (state_mismatch)."""
     path = hf_dir(source)
-    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    hf_config = read_hf_config(path)
     # the architecture train_gpt2.GPT implements; any other would load and compute something else
     expected = {"model_type": "gpt2", "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-                "n_inner": (None, 4 * hf_config.get("n_embd", 0)), "layer_norm_epsilon": 1e-5,
+                "n_inner": (None, 4 * hf_config["n_embd"]), "layer_norm_epsilon": 1e-5,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 "tie_word_embeddings": True}
     for key, allowed in expected.items():
@@ -85,31 +133,37 @@ def load_hf(source, weights=True):
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise UserError(f"{path / 'config.json'}: {key}={value!r}, but train_gpt2.py's GPT-2 "
                             f"needs {allowed!r}")
-    missing = [k for k in SHAPE_KEYS if k not in hf_config]
-    if missing:
-        raise UserError(f"{path / 'config.json'} lacks {', '.join(missing)}: not a GPT-2 config")
     shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()}
     shape["bias"] = True
-    if not weights:
-        return shape, None
+    return shape, hf_state(path / "model.safetensors") if weights else None
+
+
+def hf_state(file):
+    """The tensors of a Hugging Face GPT-2 model.safetensors, keyed and laid out as GPT.state_dict(),
+    float32. Raises UserError for a file that cannot be read, a tensor that is not floating point or
+    holds NaN or infinity, or an lm_head.weight that is not wte.weight."""
+    from safetensors.torch import load_file
     try:
-        tensors = load_file(path / "model.safetensors")
+        tensors = load_file(file)
     except Exception as e:
-        raise UserError(f"cannot read {path / 'model.safetensors'} ({e.__class__.__name__}: "
-                        f"{str(e)[:150]}); download it again") from e
+        raise UserError(f"cannot read {file} ({e.__class__.__name__}: {str(e)[:150]}); download "
+                        f"it again") from e
     state = {}
     for key, tensor in tensors.items():
         key = key.removeprefix("transformer.")  # GPT2Model checkpoints (OpenAI's) lack the prefix
         if key.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # the causal-mask buffers older transformers versions saved
-        if key.endswith(CONV1D):
+        if not tensor.is_floating_point():
+            raise UserError(f"{file}: {key} is {tensor.dtype}, not floating point: not GPT-2 weights")
+        if not torch.isfinite(tensor).all():
+            raise UserError(f"{file}: {key} holds NaN or infinite values: the weights are damaged")
+        if key.endswith(CONV1D) and tensor.dim() == 2:  # other shapes: state_mismatch names them
             tensor = tensor.t()
         state[key if key == "lm_head.weight" else "transformer." + key] = tensor.float().contiguous()
     wte = state.get("transformer.wte.weight")
-    lm_head = state.setdefault("lm_head.weight", wte)
-    if wte is not None and not torch.equal(lm_head, wte):
-        raise UserError(f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
-    return shape, state
+    if wte is not None and not torch.equal(state.setdefault("lm_head.weight", wte), wte):
+        raise UserError(f"{file.parent}: lm_head.weight differs from wte.weight; GPT-2 ties them")
+    return state
 
 
 def state_mismatch(state, expected):

@@ -3,16 +3,19 @@ init_from a transformers checkpoint, the tiny finetune config, and export to a d
 transformers loads with no network, tokenizer included."""
 
 import errno
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
 from conftest import ROOT, make_shards, read_log, run_training, write_hellaswag
+from gpt2_ddp import checkpoints
 from gpt2_ddp.gpt2_weights import save_hf, tokenizer_files
 from gpt2_ddp.tokenizer import gpt2_encoding
 from scripts import export_hf
@@ -179,6 +182,110 @@ def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny
                                         f"a directory you can write"):
         export_hf.main([str(hf_tiny), str(tmp_path / "hf")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+SOURCES = ("a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or gpt2, "
+           "gpt2-medium, gpt2-large, gpt2-xl")
+
+
+def test_export_of_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    proc = subprocess.run([sys.executable, "-m", "scripts.export_hf", str(notes), str(tmp_path / "hf")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr == (f"export_hf.py: error: {notes} is not a train_gpt2.py checkpoint (it is not "
+                           f"the zip archive that torch.save writes); pass {SOURCES}\n")
+    assert not (tmp_path / "hf").exists()
+
+
+def write_damaged(path, kind):
+    """A file at `path` of `kind`: empty, foreign (a torch.save of other contents), cut (a zip cut
+    short) or tampered (our keys, with a checksum that does not match)."""
+    state = {key: {} for key in checkpoints.KEYS} | {"sha256": "0" * 64}
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "foreign":
+        torch.save({"model": {}}, path)
+    else:
+        torch.save(state, path)
+    if kind == "cut":
+        path.write_bytes(path.read_bytes()[:200])
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("empty", "{path} is not a train_gpt2.py checkpoint \\(it is empty\\); pass a ckpt_NNNNNNN.pt"),
+    ("foreign", "{path} is not a train_gpt2.py checkpoint \\(it holds no optimizer, config, step, loader, "
+                "sha256\\); pass a ckpt_NNNNNNN.pt"),
+    ("cut", "cannot load checkpoint {path} \\(RuntimeError: .*\\); pass an older ckpt_\\*.pt of its "
+            "out_dir$"),
+    ("tampered", "cannot load checkpoint {path} \\(its contents do not match its checksum: the file is "
+                 "corrupt\\); pass an older ckpt_\\*.pt of its out_dir$"),
+])
+def test_a_damaged_checkpoint_is_told_from_a_file_that_is_none(tmp_path, kind, message):
+    """Only a checkpoint of ours, cut short or altered, gets the advice to take an older one."""
+    path = tmp_path / "ckpt_0000001.pt"
+    write_damaged(path, kind)
+    with pytest.raises(UserError, match="^" + message.format(path=path)):
+        export_hf.main([str(path), str(tmp_path / "hf")])
+
+
+def hf_dir_with(tmp_path, hf_tiny, config=None, tensors=None):
+    """A Hugging Face directory: hf_tiny's config.json with `config`'s changes (or, as a str, that
+    text), and hf_tiny's weights with `tensors`' changes (None: an empty model.safetensors)."""
+    path = tmp_path / "hf"
+    path.mkdir()
+    hf_config = json.loads((hf_tiny / "config.json").read_text())
+    text = config if isinstance(config, str) else json.dumps(hf_config | (config or {}))
+    (path / "config.json").write_text(text)
+    if tensors is None:
+        (path / "model.safetensors").write_bytes(b"")
+    else:
+        weights = {k: v for k, v in load_file(hf_tiny / "model.safetensors").items() if k not in tensors}
+        save_file(weights | {k: v for k, v in tensors.items() if v is not None}, path / "model.safetensors")
+    return path
+
+
+def test_a_config_json_value_of_the_wrong_type_is_one_line(hf_tiny, tmp_path):
+    path = hf_dir_with(tmp_path, hf_tiny, {"n_embd": "32"})
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr == (f'sample.py: error: {path}/config.json: n_embd is "32", a string, not a '
+                           f'positive integer\n')
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"n_embd": 32,', "config.json is not valid JSON \\(Expecting property name .*\\): not a GPT-2 config"),
+    ("[1, 2]", "config.json holds an array, not a JSON object: not a GPT-2 config"),
+    ('{"model_type": "gpt2"}', "config.json lacks n_layer, n_head, n_embd, n_positions, vocab_size: "
+                               "not a GPT-2 config"),
+    ({"n_layer": 2.0}, "config.json: n_layer is 2.0, a float, not a positive integer"),
+    ({"n_head": True}, "config.json: n_head is true, a boolean, not a positive integer"),
+    ({"vocab_size": 0}, "config.json: vocab_size is 0, not a positive integer"),
+    ({"n_head": 3}, "config.json: n_embd 32 is not a multiple of n_head 3"),
+])
+def test_init_from_a_config_json_that_is_not_gpt2s_is_one_line(hf_tiny, tmp_path, config, message):
+    path = hf_dir_with(tmp_path, hf_tiny, config)
+    with pytest.raises(UserError, match=f"^{path}/{message}$"):
+        init_from(load_config([*FINETUNE_TINY, f"--init_from={path}"]))
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"transformer.wte.weight": None}, "{path} does not hold the GPT-2 this run builds: missing "
+                                       "\\['transformer.wte.weight', 'lm_head.weight'\\]"),
+    ({"transformer.wte.weight": torch.zeros(50257, 32, dtype=torch.int64)},
+     "{path}/model.safetensors: wte.weight is torch.int64, not floating point: not GPT-2 weights"),
+    ({"transformer.wpe.weight": torch.full((64, 32), float("nan"))},
+     "{path}/model.safetensors: wpe.weight holds NaN or infinite values: the weights are damaged"),
+    ({"transformer.h.0.attn.c_attn.weight": torch.zeros(2, 2, 2)},
+     "{path} does not hold the GPT-2 this run builds: shapes: "
+     "\\['transformer.h.0.attn.c_attn.weight \\(2, 2, 2\\) instead of \\(96, 32\\)'\\]"),
+])
+def test_a_missing_or_odd_tensor_is_one_line(hf_tiny, tmp_path, tensors, message):
+    path = hf_dir_with(tmp_path, hf_tiny, tensors=tensors)
+    with pytest.raises(UserError, match=f"^{message.format(path=path)}$"):
+        GPT.from_pretrained(path)
 
 
 def test_tokenizer_files_hold_gpt2s_vocabulary_and_merges():

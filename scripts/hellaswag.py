@@ -27,7 +27,8 @@ def main(argv):
     parser.add_argument("--path", default="data/hellaswag/hellaswag_val.jsonl",
                         help="the validation jsonl; downloaded there when missing")
     parser.add_argument("--examples", type=int, default=0, help="score the first N (0: all)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")
     args = parser.parse_args(argv)
     if args.examples < 0:
         parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")

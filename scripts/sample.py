@@ -68,7 +68,8 @@ def main(argv):
                         help="< 1 makes likely tokens likelier, > 1 flattens the distribution")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model, meant for CUDA: one graph for the prompt's "
                         "prefill, one for the one-token decode step at any position (the first "

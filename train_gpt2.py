@@ -28,7 +28,6 @@ numbered across ranks, micro-batch m of a step goes to rank m % world_size, and 
 a random state derived from (seed, step, m) alone. So world size changes only the float rounding.
 """
 
-import ctypes
 import dataclasses
 import gc
 import hashlib
@@ -55,7 +54,9 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from gpt2_ddp import checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan
-from gpt2_ddp.collectives import agreed, all_reduce_max
+from gpt2_ddp.collectives import (Stopped, agreed, all_reduce_max, catch_stop_signals, torchrun_env,
+                                  wait_for_master)
+from gpt2_ddp.device import choose_device, keep_freed_cpu_memory, make_deterministic
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
 from gpt2_ddp.metrics import Metrics, log, start_profiler
@@ -172,6 +173,12 @@ def load_config(argv):
     if config.exact_reduction and config.grad_compression != "none":
         raise UserError("exact_reduction sums gradients in float64 and grad_compression rounds them "
                         "to bf16: turn one of them off")
+    if config.min_lr > config.max_lr:
+        raise UserError(f"min_lr={config.min_lr} exceeds max_lr={config.max_lr}: the cosine decays "
+                        f"from max_lr down to min_lr")
+    if config.resume == "auto" and config.overwrite:
+        raise UserError("overwrite=true takes effect only with resume=never: pass --resume=never "
+                        "--overwrite=true to start over, or drop --overwrite to continue")
     if config.seq_len > config.block_size:
         raise UserError(f"seq_len={config.seq_len} exceeds block_size={config.block_size}")
     if config.n_embd % config.n_head:
@@ -545,59 +552,12 @@ def check_torch_version():
                         f"train_gpt2.py runs on: pip install 'torch>={floor}'")
 
 
-def choose_device(config, local_rank, launched):
-    """The torch.device of this rank: config.device, or for auto cuda:local_rank, else mps (one
-    process), else cpu. Raises UserError for a device this machine lacks."""
-    if config.device != "auto":
-        device = torch.device(config.device)
-    elif torch.cuda.is_available():
-        device = torch.device(f"cuda:{local_rank}")
-    elif torch.backends.mps.is_available() and not launched:
-        device = torch.device("mps")
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device={config.device}: this machine has {torch.cuda.device_count()} "
-                        f"CUDA device(s) visible to torch; pass --device=auto or cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device=mps: MPS is not available here; pass --device=auto or cpu")
-    return device
-
-
-def make_deterministic(device):
-    """exact_reduction: bitwise runs need kernels that round alike, too."""
-    if device.type == "mps":
-        raise UserError("exact_reduction sums in float64, which MPS lacks: pass --device=cpu "
-                        "or --exact_reduction=false")
-    if device.type == "cuda":  # no atomics; cuBLAS needs a fixed workspace for that
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # CPU kernels split sums by thread: one, as torchrun's workers
-
-
-def keep_freed_cpu_memory():
-    """Makes glibc keep freed memory in the heap instead of handing it back to the OS: it serves
-    blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so each step
-    would page-fault its largest tensors (the logits) in anew (docs/perf.md). No-op where libc is
-    not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
 def setup_distributed(config):
     """Chooses the device and joins the process group of torchrun's workers (gloo on CPU, NCCL on
     CUDA); a plain python run of zero2 or fsdp, which need collectives, gets a group of one.
-    Returns (rank, world_size, device). Raises UserError for a device this machine lacks."""
-    launched = "RANK" in os.environ  # by torchrun
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    Returns (rank, world_size, device). Raises UserError for a device this machine lacks, a bad
+    launch (collectives.torchrun_env) or a peer that does not join within collective_timeout_s."""
+    launched, rank, local_rank, world_size = torchrun_env()
     device = choose_device(config, local_rank, launched)
     if config.grad_compression == "bf16" and launched and device.type != "cuda":
         raise UserError("grad_compression=bf16 needs NCCL (CUDA devices); gloo cannot reduce bf16: "
@@ -619,26 +579,18 @@ def setup_distributed(config):
                 f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=timeout))
-        init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                           device_id=device if device.type == "cuda" else None)
+        elif rank > 0:
+            wait_for_master(config.collective_timeout_s)
+        try:
+            init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                               device_id=device if device.type == "cuda" else None)
+        except dist.DistError as e:  # a peer that never joined, or an unreachable MASTER_ADDR
+            raise UserError(f"rank {rank} could not join the process group within collective_timeout_s="
+                            f"{config.collective_timeout_s} s ({str(e).splitlines()[0]}): start every "
+                            f"rank, check MASTER_ADDR and MASTER_PORT") from None
     elif config.sharding != "ddp":
         init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, world_size, device
-
-
-def catch_stop_signals():
-    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before a kill)
-    ask the loop to finish its step, save and exit. Returns the list the handler appends each
-    signal to. The same signal again takes its default action: it ends the process at once."""
-    received = []
-
-    def handler(signum, frame):
-        received.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, handler)
-    return received
 
 
 # -----------------------------------------------------------------------------
@@ -670,12 +622,18 @@ def sample_prompt(config):
 
 def make_loaders(config, rank, world_size, device):
     """The train and val DataLoaders, every shard's token ids known to fit vocab_size. Raises
-    UserError on every rank (a data_dir missing on one node stops all at once), and for a shard
-    that holds a token id the embedding lacks (another tokenizer's shards) before the first step,
-    not mid-run on the one rank that read it. A collective."""
+    UserError on every rank (a data_dir missing on one node stops all at once), for val_batches
+    beyond the val split, and for a shard that holds a token id the embedding lacks (another
+    tokenizer's shards) before the first step, not mid-run on the one rank that read it. A
+    collective."""
     loaders = agreed(lambda: [
         DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank,
                    world_size, device, config.dataset) for split in ("train", "val")])
+    fits = loaders[1].batches_per_epoch  # an evaluation that wrapped would count batches twice
+    if config.eval_interval > 0 and config.val_batches > fits:
+        raise UserError(f"val_batches={config.val_batches} is more than the val split holds: "
+                        f"{fits} micro-batches of {config.micro_batch_size}x{config.seq_len} tokens; "
+                        f"pass --val_batches={fits} or fewer")
     paths = [path for loader in loaders for path in loader.paths]  # both splits in one scan
     check_token_ids(paths, config.vocab_size, Path(config.out_dir) / "token_ids.json", rank,
                     world_size, lambda values: all_reduce_max(values, device))
@@ -687,10 +645,10 @@ def resume(config, raw_model, optimizer, train_loader, out, existing):
     train loader, and starts out_dir's log at its step (OutDir.start: with overwrite, the old
     checkpoints and log stay until this run's first checkpoint). No RNG state is needed: every
     random draw after init is seeded from (seed, step). Returns (the step resumed at, whether its
-    evaluations ran before it was saved): (0, False) for a fresh start; None, with a line saying
-    so, when the run is complete. Raises UserError, on every rank and before anything loads, for
-    a checkpoint of an older format or of another model (its state's keys and shapes) or
-    optimizer. A collective."""
+    evaluations ran before it was saved): (0, False) for a fresh start; (None, None), with a line
+    saying so, when the run is complete. Raises UserError, on every rank and before anything
+    loads, for a checkpoint of an older format or of another model (its state's keys and shapes)
+    or optimizer. A collective."""
     path, ckpt = checkpoints.load_newest(config.out_dir, log) if config.resume == "auto" else (None, None)
     if path is not None:
         new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
@@ -720,7 +678,8 @@ def resume(config, raw_model, optimizer, train_loader, out, existing):
         log(f"the run in {config.out_dir} is complete: step {start_step} of max_steps="
             f"{config.max_steps}. Raise --max_steps to train on, or start over with --resume=never "
             f"--overwrite=true or another --out_dir")
-        return None
+        return None, None
+    note_schedule(config, ckpt["config"] if path else None, start_step)
     agreed(lambda: out.start(start_step, path, existing if config.resume == "never" else []),
            master_only=True)
     return start_step, evaluated
@@ -736,21 +695,42 @@ def get_lr(step, config):
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.max_lr - config.min_lr)
 
 
+SCHEDULE_KEYS = ("max_steps", "warmup_steps", "max_lr", "min_lr", "muon_lr")
+
+
+def note_schedule(config, saved, step):
+    """Logs a warning when warmup does not end before max_steps, and on a resume (`saved`: the
+    checkpoint's config) one line naming the schedule keys that change and the next lr before and
+    after, since get_lr() reshapes the whole schedule from them."""
+    if config.warmup_steps >= config.max_steps:
+        log(f"warning: warmup_steps={config.warmup_steps} is not below max_steps={config.max_steps}, "
+            f"so the lr never decays; lower --warmup_steps")
+    changed = [k for k in SCHEDULE_KEYS if saved and saved[k] != getattr(config, k)]
+    if changed:
+        before = get_lr(step, dataclasses.replace(config, **{k: saved[k] for k in changed}))
+        log("the schedule changes from the checkpoint's: "
+            + ", ".join(f"{k} {saved[k]} -> {getattr(config, k)}" for k in changed)
+            + f"; the lr of step {step + 1} is {get_lr(step, config):.4e}, not {before:.4e}")
+
+
 def every(interval, step, config):
     """Whether an action of this interval runs at `step` (the updates done): 0 turns it off, the
     last step (max_steps) runs it."""
     return interval > 0 and (step % interval == 0 or step == config.max_steps)
 
 
-def evaluate(model, val_loader, val_batches, autocast, sum_dtype):
+def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=None):
     """Mean loss over the first val_batches micro-batches of the val split, whatever world_size:
-    micro-batch g on rank g % world_size, the sums all-reduced. A collective."""
+    micro-batch g on rank g % world_size, the sums all-reduced. A collective. check_stop() runs
+    before each micro-batch (StopSignals.check raises Stopped)."""
     rank, world_size, device = val_loader.rank, val_loader.world_size, val_loader.device
     model.eval()
     total = torch.zeros(2, device=device, dtype=sum_dtype)  # sum of losses, number of batches
     # every rank runs as many batches (FSDP's all-gathers pair up); those past val_batches weigh 0
     with torch.no_grad():
         for g in range(rank, math.ceil(val_batches / world_size) * world_size, world_size):
+            if check_stop:
+                check_stop()
             x, y = val_loader.get_batch(g)
             with autocast:
                 _, loss = model(x, y)
@@ -762,13 +742,17 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype):
     return (total[0] / total[1]).float().item()
 
 
-def sample(model, prompt, config, step, device):
+def sample(model, prompt, config, step, device, check_stop):
     """The model's continuation of `prompt` (GPT-2 token ids), config.sample_tokens long, drawn
-    from a generator seeded by (seed, step), as text. Every rank calls it (FSDP's all-gathers)."""
+    from a generator seeded by (seed, step), as text. Every rank calls it (FSDP's all-gathers).
+    check_stop() runs before each token (StopSignals.check raises Stopped)."""
     model.eval()
-    idx = torch.tensor([prompt], device=device)
+    tokens = [torch.tensor([prompt], device=device)]
     generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
-    tokens = torch.cat([idx, *model.generate(idx, config.sample_tokens, generator)], dim=1)
+    for token in model.generate(tokens[0], config.sample_tokens, generator):
+        check_stop()
+        tokens.append(token)
+    tokens = torch.cat(tokens, dim=1)
     model.train()
     return gpt2_encoding().decode(tokens[0].tolist())
 
@@ -782,6 +766,14 @@ def save_checkpoint(out, step, raw_model, optimizer, config, train_loader, evalu
     path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
     log(f"saved {path}")
     return step
+
+
+def stopped_line(signum, step, start_step):
+    """What a run stopped by signum at `step` says: the step saved, or that it made no update."""
+    if step > start_step:
+        return (f"stopped by {signum.name} after step {step}, which is saved; rerun the same command "
+                f"to resume")
+    return f"stopped by {signum.name} at step {step}, before this run's first update: nothing new to save"
 
 
 def diverged(step, skipped, loss, norm, last_saved, config):
@@ -847,6 +839,7 @@ def train(config, rank, world_size, device):
     # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
     resuming = config.resume == "auto" and bool(existing)
     config, pretrained_state = agreed(lambda: init_from(config, weights=not resuming))
+    log(agreed(lambda: memory_plan.checked_summary(config, world_size, device, memory_counts(config))))
     prompt = sample_prompt(config)
     if config.hellaswag_interval > 0:
         hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
@@ -857,11 +850,9 @@ def train(config, rank, world_size, device):
                 else nullcontext())
     raw_model = build_model(config, device, pretrained_state)
     model, optimizer, clip_grad_norm_ = parallelize(raw_model, config, device)
-    log(memory_plan.summary(config, world_size, device.type, memory_counts(config)))
-    started = resume(config, raw_model, optimizer, train_loader, out, existing)
-    if started is None:
+    start_step, evaluated = resume(config, raw_model, optimizer, train_loader, out, existing)
+    if start_step is None:  # the run is complete
         return 0
-    start_step, evaluated = started
     metrics = Metrics(out if rank == 0 else None, config, world_size, device,
                       raw_model.flops_per_token(config.seq_len) * config.total_batch_size, start_step)
     profiler = start_profiler(config, rank)
@@ -870,34 +861,35 @@ def train(config, rank, world_size, device):
     # Training loop
     skipped = 0  # steps in a row whose update was skipped
     last_saved = start_step  # the step of out_dir's newest checkpoint, 0 for none
-    stop, stop_signals = False, catch_stop_signals()
+    stop, stop_signals = False, catch_stop_signals(device)
     stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
     for step in range(start_step, config.max_steps + 1):  # step: the optimizer updates done
         last_step = step == config.max_steps
         # a stop leaves the evaluations to the run that resumes, unless it is the last step
         measure = (not stop or last_step) and (step > start_step or not evaluated)
-        if measure and every(config.eval_interval, step, config):
-            val_loss = evaluate(raw_model, val_loader, config.val_batches, autocast, sum_dtype)
-            metrics.evaluation(step, {"val_loss": val_loss}, f"val loss {val_loss:.4f}")
-        if measure and every(config.hellaswag_interval, step, config):
-            result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
-                                        autocast)
-            raw_model.train()
-            metrics.evaluation(step, result, hellaswag.summary(result))
-        if measure and every(config.sample_interval, step, config) and step > 0:
-            text = sample(raw_model, prompt, config, step, device)  # on every rank: FSDP gathers
-            log(f"sample at step {step}: {text!r}")
+        try:
+            if measure and every(config.eval_interval, step, config):
+                val_loss = evaluate(raw_model, val_loader, config.val_batches, autocast, sum_dtype,
+                                    stop_signals.check)
+                metrics.evaluation(step, {"val_loss": val_loss}, f"val loss {val_loss:.4f}")
+            if measure and every(config.hellaswag_interval, step, config):
+                result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
+                                            autocast, stop_signals.check)
+                raw_model.train()
+                metrics.evaluation(step, result, hellaswag.summary(result))
+            if measure and every(config.sample_interval, step, config) and step > 0:
+                text = sample(raw_model, prompt, config, step, device, stop_signals.check)
+                log(f"sample at step {step}: {text!r}")
+        except Stopped:  # the checkpoint says this step's evaluations did not run
+            stop, measure = True, False
         # a stop and the last step always save (a skipped update left the weights as they were);
         # the interval does not in a run of skipped updates, which may be a divergence
         if step > start_step and (stop or last_step or (
                 not skipped and every(config.checkpoint_interval, step, config))):
             last_saved = save_checkpoint(out, step, raw_model, optimizer, config, train_loader, measure)
         if stop:
-            signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank's
-            log(f"stopped by {signal.Signals(signum).name} after step {step}, which is saved; "
-                f"rerun the same command to resume")
-            break
-        if last_step:
+            log(stopped_line(stop_signals.first(), step, start_step))
+        if stop or last_step:
             break
 
         t0 = time.time()
@@ -951,7 +943,7 @@ def train(config, rank, world_size, device):
     metrics.close()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves
-    return 128 + signum if stop else 0  # the shell's code for "ended by that signal"
+    return 128 + stop_signals.first() if stop else 0  # the shell's code for "ended by that signal"
 
 
 def main(argv):
@@ -975,8 +967,8 @@ def main(argv):
 
 if __name__ == "__main__":
     if {"-h", "--help"} & set(sys.argv[1:]):
-        print(__doc__ + "\nConfig keys, their defaults and what they do:")
-        print("\n".join(configurator.help_lines(Config)))
+        configurator.print_quietly(__doc__ + "\nConfig keys, their defaults and what they do:\n"
+                                   + "\n".join(configurator.help_lines(Config)))
         sys.exit(0)
     try:
         configurator.run(main, "train_gpt2.py")

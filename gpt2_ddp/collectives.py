@@ -1,7 +1,13 @@
 """
 Collectives shared beyond DDP's own: making every rank agree on a user's error, and handing small
-values around. Each also works in one process without a process group.
+values around. Each also works in one process without a process group. And what every rank must
+agree on outside them: torchrun's variables, read before the group is joined, and stop signals.
 """
+
+import os
+import signal
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,3 +50,85 @@ def all_reduce_max(values, device):
     t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def torchrun_env():
+    """(launched, rank, local_rank, world_size) from the variables torchrun sets: launched is
+    whether RANK is set; unset, the process is rank 0 of 1. Raises UserError, in one line, for a
+    value that is not a whole number, RANK or LOCAL_RANK not below WORLD_SIZE, or RANK set without
+    MASTER_ADDR and MASTER_PORT (where rank 0 waits for the others)."""
+    values = {}
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        raw = os.environ.get(name, default)
+        if not raw.isdecimal():
+            raise UserError(f"{name}={raw!r} is not a whole number; launch with torchrun, which sets "
+                            f"it, or unset it to run one process")
+        values[name] = int(raw)
+    rank, local_rank, world_size = values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
+    if max(rank, local_rank) >= world_size:
+        raise UserError(f"RANK={rank} and LOCAL_RANK={local_rank} must be below WORLD_SIZE={world_size} "
+                        f"(ranks count from 0); launch with torchrun --nproc_per_node=N, which sets them")
+    launched = "RANK" in os.environ
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if launched and not os.environ.get(name)]
+    if missing:
+        raise UserError(f"RANK is set but {' and '.join(missing)} not: launch with torchrun "
+                        f"(--standalone on one machine), which sets them")
+    return launched, rank, local_rank, world_size
+
+
+def wait_for_master(timeout_s):
+    """Waits up to timeout_s seconds for MASTER_ADDR:MASTER_PORT, rank 0's store, to take a
+    connection; c10d's own wait ends in a logged C++ stack. Raises UserError, in one line, when it
+    does not."""
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(address, timeout=1).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise UserError(f"rank 0 at {address[0]}:{address[1]} did not answer within "
+                                f"collective_timeout_s={timeout_s} s ({e.strerror or e}): start every "
+                                f"rank, check MASTER_ADDR and MASTER_PORT") from None
+            time.sleep(0.1)
+
+
+class Stopped(Exception):
+    """A stop signal reached some rank during an evaluation or a sample, which is left undone."""
+
+
+class StopSignals(list):
+    """The stop signals (SIGINT, SIGTERM) this rank has received, in order."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+
+    def first(self):
+        """The first signal received, a signal.Signals; SIGTERM for one that reached another rank only."""
+        return signal.Signals(self[0] if self else signal.SIGTERM)
+
+    def check(self):
+        """Raises Stopped if any rank has received one. A collective with a host sync: evaluations
+        call it once per batch, on every rank alike, so a stop is answered within a batch."""
+        flag = torch.tensor(float(len(self)), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise Stopped
+
+
+def catch_stop_signals(device):
+    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before a kill)
+    ask the loop to finish its step, save and exit. Returns the StopSignals the handler appends
+    each signal to. The same signal again takes its default action: it ends the process at once."""
+    received = StopSignals(device)
+
+    def handler(signum, frame):
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+    return received

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -42,6 +43,9 @@ class ArgumentParser(argparse.ArgumentParser):
             description = textwrap.dedent(description).strip("\n")
         super().__init__(*args, description=description, **kwargs)
 
+    def print_help(self, file=None):
+        print_quietly(self.format_help(), file)
+
     def parse_known_args(self, args=None, namespace=None):
         """argparse's, after `--foo-bar` or `--foo-bar=value` of an option --foo_bar is rewritten
         to that spelling. Arguments after `--`, and options not this parser's, stay as given."""
@@ -56,15 +60,26 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+def print_quietly(text, file=None):
+    """Prints text (on stdout by default) and exits quietly, with status 0, if the reader has gone
+    (`--help | head`): Python would otherwise print BrokenPipeError's traceback at exit."""
+    file = file or sys.stdout
+    try:
+        print(text, file=file, end="" if text.endswith("\n") else "\n", flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())  # the exit's flush goes nowhere
+        sys.exit(0)
+
+
 def run(main, script):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
     ends it with the one line `{script}: error: {message}` on stderr and exit status 1. Under
-    torchrun only rank 0 prints it at once: the other ranks, which meet the same error, wait up to
-    RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not."""
+    torchrun's agent only rank 0 prints it at once: the other ranks, which meet the same error, wait
+    up to RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
-        if os.environ.get("RANK", "0") != "0":
+        if os.environ.get("RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the training loop's handler defers it
             time.sleep(RANK_ERROR_WAIT_S)
         sys.exit(f"{script}: error: {e}")
@@ -90,7 +105,10 @@ def cast_value(key, raw, typ):
                 raise ValueError
             return int(value)
         if typ is float:
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):
+                raise UserError(f"config key {key!r} must be a finite number, got {raw!r}")
+            return value
         return str(raw)
     except (ValueError, OverflowError):
         raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
@@ -107,7 +125,8 @@ def load_config(argv, config_class, rules):
     if argv and not argv[0].startswith("--"):
         path = Path(argv[0])
         if not path.is_file():
-            raise UserError(f"config file {path} not found (see configs/ for examples)")
+            what = "is a directory, not a TOML file" if path.is_dir() else "not found"
+            raise UserError(f"config file {path} {what} (see configs/ for examples)")
         try:
             with open(path, "rb") as f:
                 values.update(tomllib.load(f))

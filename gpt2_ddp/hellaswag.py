@@ -150,14 +150,17 @@ def ending_losses(model, tokens, mask, autocast=None):
     return total, total / mask.sum(dim=1)
 
 
-def evaluate(model, examples, device, rank=0, world_size=1, autocast=None):
+def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check_stop=None):
     """{"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"} of `model` over `examples`
     (from render_all): two fractions in [0, 1] and the count. A collective: example i runs on rank
     i % world_size, counts are summed over ranks, and a rank out of examples scores its last again,
-    uncounted, so FSDP's all-gathers pair up. Leaves the model in eval mode."""
+    uncounted, so FSDP's all-gathers pair up. check_stop() runs before each example (the training
+    loop's raises to stop). Leaves the model in eval mode."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     for i in range(rank, math.ceil(len(examples) / world_size) * world_size, world_size):
+        if check_stop:
+            check_stop()
         tokens, mask, label = examples[min(i, len(examples) - 1)]
         total, mean = ending_losses(model, tokens.to(device), mask.to(device), autocast)
         if i < len(examples):

@@ -4,14 +4,16 @@ what the source says, and scripts that show which run and step they are on."""
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 import subprocess
+import sys
 import time
 import tomllib
 
 import pytest
 
-from conftest import TINY
+from conftest import ROOT, TINY
 from gpt2_ddp import configurator
 from gpt2_ddp import runs
 from gpt2_ddp.configurator import UserError, help_lines
@@ -153,3 +155,14 @@ def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsy
     assert time.monotonic() - start < 10
     assert (info.value.output, info.value.stderr) == ("step     0 | loss 6.2\n", "warning\n")
     assert capsys.readouterr().err == "fake: started\nfake: step     0 | loss 6.2\n"
+
+
+@pytest.mark.parametrize("argv", [["train_gpt2.py", "-h"], ["-m", "scripts.bench", "--help"]])
+def test_help_into_a_closed_pipe_is_quiet(argv):
+    """`--help | head -2`: the reader is gone before the help is written; no BrokenPipeError."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training
+from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training, write_hellaswag
 from gpt2_ddp import checkpoints, runs
+from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
 
 STEPS = 40
@@ -118,10 +120,10 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
     assert out.splitlines()[-1].startswith("stopped by SIGINT after step ")
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
 
-    from train_gpt2 import catch_stop_signals
+    from gpt2_ddp.collectives import catch_stop_signals
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        received = catch_stop_signals()
+        received = catch_stop_signals(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
         assert received == [signal.SIGTERM]
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
@@ -298,10 +300,47 @@ def test_bad_data_is_named_with_the_fix(tmp_path):
     assert "no val shards" in train_error(f"--data_dir={only_train}", f"--out_dir={tmp_path}/o")
 
     big = tmp_path / "big_ids"
-    make_shards(big)
+    make_shards(big)  # 1000 val tokens: an evaluation of 32 micro-batches would wrap
+    err = train_error(f"--data_dir={big}", f"--out_dir={tmp_path}/o", "--val_batches=32")
+    assert ("val_batches=32 is more than the val split holds: 31 micro-batches of 2x16 tokens; pass "
+            "--val_batches=31 or fewer") in err
     write_shard(big / "tiny_train_000001.bin", np.full(2000, 50256))  # GPT-2 ids, vocab_size 512
     err = train_error(f"--data_dir={big}", f"--out_dir={tmp_path}/o")
     assert "tiny_train_000001.bin holds token id 50256, beyond vocab_size=512" in err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "abc"}, "RANK='abc' is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 and LOCAL_RANK=0 must be below WORLD_SIZE=1"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK is set but MASTER_ADDR and MASTER_PORT not"),
+])
+def test_a_launch_mistake_is_one_line(env, message, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    import train_gpt2
+    with pytest.raises(UserError, match=re.escape(message)):
+        train_gpt2.main([*TINY, "--device=cpu"])
+
+
+def test_a_rank_whose_peer_never_joins_is_one_line_naming_the_timeout(tmp_path):
+    """Rank 0 of two whose peer never starts, and rank 1 whose rank 0 never starts: each ends in one
+    line within the collective timeout, not c10d's exception or its logged C++ stack."""
+    start = time.time()
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, "--collective_timeout_s=2",
+                               f"--out_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+        waited = ("could not join the process group within" if rank == 0
+                  else "did not answer within")
+        assert proc.returncode == 1 and proc.stderr.startswith("train_gpt2.py: error: rank ")
+        assert f" {waited} collective_timeout_s=2 s (" in proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr
+    assert time.time() - start < 40
 
 
 def test_unwritable_out_dir_fails_before_training(tmp_path):
@@ -364,6 +403,42 @@ def all_finite(path):
     tensors = [*state["model"].values(),
                *(t for s in state["optimizer"]["state"].values() for t in s.values())]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("during", ["eval", "hellaswag", "sample"])
+def test_a_stop_signal_during_an_evaluation_or_a_sample_is_answered_within_seconds(during, tmp_path):
+    """Each of these takes minutes here: SIGTERM ends it within a batch or token and the run exits.
+    The evaluations at step 0 leave nothing to save; the sample at step 2 saves step 2 as a step
+    whose evaluations did not run, which the resumed run runs."""
+    data = tmp_path / "data"
+    make_shards(data)
+    write_shard(data / "tiny_val_000000.bin", np.random.default_rng(0).integers(0, 512, 700_000))
+    write_hellaswag(data / "hellaswag.jsonl", 3000)
+    long = {"eval": ["--eval_interval=2", "--val_batches=20000"],
+            "hellaswag": ["--hellaswag_interval=2", f"--hellaswag_path={data / 'hellaswag.jsonl'}"],
+            "sample": ["--sample_interval=2", "--sample_tokens=100000", "--sample_prompt=a"]}[during]
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *SMALL, f"--data_dir={data}",
+                             f"--out_dir={out}", "--max_steps=1000", *long], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if during == "sample":
+        wait_for_step(out, 2, proc)
+    else:
+        while not proc.stdout.readline().startswith("MFU not reported"):  # the last line before step 0
+            pass
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.time() - start < 10
+    assert proc.returncode == 128 + signal.SIGTERM and stderr == "", stderr
+    if during == "sample":
+        assert stdout.splitlines()[-1].startswith("stopped by SIGTERM after step 2, which is saved")
+        assert torch.load(out / "ckpt_0000002.pt", weights_only=True)["evaluated"] is False
+    else:
+        assert stdout.splitlines()[-1] == ("stopped by SIGTERM at step 0, before this run's first "
+                                           "update: nothing new to save")
+        assert not list(out.glob("ckpt_*")) and "val loss" not in stdout and "hellaswag" not in stdout
 
 
 @pytest.mark.compat
@@ -431,6 +506,21 @@ def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(g
     for step in (10_000_000, 9_999_999):
         checkpoints.path_of(many, step).touch()
     assert [p.name for p in checkpoints.listed(many)] == ["ckpt_9999999.pt", "ckpt_10000000.pt"]
+
+
+def test_a_resume_names_the_schedule_it_changes_and_a_warmup_past_max_steps_is_warned(good_run, tmp_path):
+    """Raising max_steps on a finished run, as its "complete" line advises, reshapes the cosine:
+    one line names what changed and the next lr, before and after."""
+    from train_gpt2 import get_lr, load_config
+    out, _ = copy_run(good_run, tmp_path)
+    args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=8",
+            "--warmup_steps=8"]
+    proc = run_training(args)
+    before, after = (get_lr(4, load_config(a)) for a in ([*SMALL, "--max_steps=4"], args))
+    assert (f"the schedule changes from the checkpoint's: max_steps 4 -> 8, warmup_steps 2 -> 8; "
+            f"the lr of step 5 is {after:.4e}, not {before:.4e}\n") in proc.stdout
+    assert "warning: warmup_steps=8 is not below max_steps=8, so the lr never decays" in proc.stdout
+    assert [s["lr"] for s in read_log(out)[0]][4] == pytest.approx(after)
 
 
 def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):

@@ -1,5 +1,6 @@
 """Config parsing, the model's shape and names, the loader, and DDP against one process."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -52,10 +53,27 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--max_steps=1e30"], "cannot read '1e30' as int"),  # beyond int64: OverflowError mid-run
     (["--collective_timeout_s=1e14"], "'collective_timeout_s' must be > 0 and <= 1e8"),
     (["--peak_flops=-1"], "'peak_flops' must be >= 0, got -1.0"),
+    (["--max_lr=inf"], "'max_lr' must be a finite number, got 'inf'"),  # it passed >= 0, then diverged
+    (["--max_lr=1e-3", "--min_lr=1e-2"], "min_lr=0.01 exceeds max_lr=0.001"),
+    (["--overwrite=true"], "overwrite=true takes effect only with resume=never"),
+    (["."], "config file . is a directory, not a TOML file"),
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
         load_config(argv)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_every_float_key_refuses_what_is_not_a_finite_number(value, tmp_path):
+    keys = [f.name for f in dataclasses.fields(train_gpt2.Config) if f.type is float]
+    assert "max_lr" in keys and "peak_flops" in keys
+    for key in keys:
+        with pytest.raises(UserError, match=f"'{key}' must be a finite number"):
+            load_config([f"--{key}={value}"])
+    toml = tmp_path / "c.toml"  # TOML's own inf and nan
+    toml.write_text(f"max_lr = {value.replace('1e999', 'inf')}\n")
+    with pytest.raises(UserError, match="'max_lr' must be a finite number"):
+        load_config([str(toml)])
 
 
 @pytest.mark.parametrize("device, message", [

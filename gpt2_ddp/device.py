@@ -1,0 +1,57 @@
+"""
+The device a rank runs on and the process-wide settings it needs: which device (--device=auto
+picks cuda:LOCAL_RANK, mps or cpu), deterministic kernels for exact_reduction, and glibc's malloc
+kept from returning the CPU's freed memory to the OS.
+"""
+
+import ctypes
+import os
+
+import torch
+
+from gpt2_ddp.configurator import UserError
+
+
+def choose_device(config, local_rank, launched):
+    """The torch.device of this rank: config.device, or for auto cuda:local_rank, else mps (one
+    process), else cpu. Raises UserError for a device this machine lacks."""
+    if config.device != "auto":
+        device = torch.device(config.device)
+    elif torch.cuda.is_available():
+        device = torch.device(f"cuda:{local_rank}")
+    elif torch.backends.mps.is_available() and not launched:
+        device = torch.device("mps")
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device={config.device}: this machine has {torch.cuda.device_count()} "
+                        f"CUDA device(s) visible to torch; pass --device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available here; pass --device=auto or cpu")
+    return device
+
+
+def make_deterministic(device):
+    """exact_reduction: bitwise runs need kernels that round alike, too."""
+    if device.type == "mps":
+        raise UserError("exact_reduction sums in float64, which MPS lacks: pass --device=cpu "
+                        "or --exact_reduction=false")
+    if device.type == "cuda":  # no atomics; cuBLAS needs a fixed workspace for that
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # CPU kernels split sums by thread: one, as torchrun's workers
+
+
+def keep_freed_cpu_memory():
+    """Makes glibc keep freed memory in the heap instead of handing it back to the OS: it serves
+    blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so each step
+    would page-fault its largest tensors (the logits) in anew (docs/perf.md). No-op where libc is
+    not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)

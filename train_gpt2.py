@@ -118,6 +118,7 @@ class Config:
     keep_checkpoints: int = 3  # the newest N checkpoints stay on disk; 0 keeps all
     resume: str = "auto"  # auto: continue from the latest checkpoint in out_dir; never: start fresh
     overwrite: bool = False  # with resume=never, delete out_dir's checkpoints instead of refusing
+    allow_new_data: bool = False  # resume though the train shards differ from the checkpoint's
     # logging: the console and log.jsonl always; wandb and TensorBoard beside them (docs/logging.md)
     wandb_log: bool = False  # send every log.jsonl record to wandb (pip install wandb)
     wandb_project: str = "gpt2"  # the wandb project the run goes to
@@ -524,9 +525,11 @@ class DataLoader:
         return x.to(self.device), y.to(self.device)
 
     def state_dict(self):
-        """The position in the stream, in tokens: a run resumed with another micro_batch_size
-        (same seq_len) reads the same sequences in each step."""
-        return {"tokens": self.batch_index * self.B * self.T}
+        """The position in the stream, in tokens, and the [name, tokens] of each shard it counts
+        in: a run resumed with another micro_batch_size (same seq_len) reads the same sequences in
+        each step."""
+        return {"tokens": self.batch_index * self.B * self.T,
+                "shards": [[p.name, int(n)] for p, n in zip(self.paths, np.diff(self.starts))]}
 
     def load_state_dict(self, state):
         tokens = state["tokens"]
@@ -669,6 +672,13 @@ def resume(config, raw_model, optimizer, train_loader, out, existing):
             raise UserError(f"checkpoint {path} is of another model: {problems}; to train this model, "
                             f"start a new run with --out_dir=NEW_DIR, or start over in {config.out_dir} "
                             f"with --resume=never --overwrite=true (deletes its checkpoints)")
+        then, now = ckpt["loader"]["shards"], train_loader.state_dict()["shards"]
+        if then != now and not config.allow_new_data:  # the saved position would point elsewhere
+            was, is_now = next((a, b) for a, b in zip(then + [None], now + [None]) if a != b)
+            raise UserError(f"the train shards in {config.data_dir} are not those checkpoint {path} "
+                            f"was trained on (as [name, tokens]: {was} then, {is_now} now): "
+                            f"{new_run}, or pass --allow_new_data=true to go on at the same token "
+                            f"offset in these")
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])  # after the weights: zero2 slices them
         train_loader.load_state_dict(ckpt["loader"])

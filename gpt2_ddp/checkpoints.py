@@ -24,7 +24,7 @@ except ImportError:
 
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
 # save()'s format; a resume refuses any other, init_from reads only the weights
-VERSION = 2
+VERSION = 3
 
 
 def path_of(out_dir, step):

@@ -168,7 +168,10 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
     assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "evaluated", "version",
                          "sha256"}
-    assert ckpt["step"] == 6 and ckpt["loader"] == {"tokens": 6 * 64} and ckpt["version"] == 2
+    assert ckpt["step"] == 6 and ckpt["loader"]["tokens"] == 6 * 64
+    assert ckpt["loader"]["shards"] == [[p.name, (p.stat().st_size - 1024) // 2]
+                                        for p in sorted(data_dir.glob("*_train_*.bin"))]
+    assert ckpt["version"] == checkpoints.VERSION
 
     # rerunning a finished run says so, trains nothing and succeeds
     log_before = (tmp_path / "log.jsonl").read_text()
@@ -652,7 +655,8 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
     err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
                       "--max_steps=6")
     assert err == (f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of an older format "
-                   f"than this train_gpt2.py resumes (version 2): start a new run from its weights "
+                   f"than this train_gpt2.py resumes (version {checkpoints.VERSION}): start a new "
+                   f"run from its weights "
                    f"with --out_dir=NEW_DIR --init_from={out}\n")
     new = tmp_path / "new"
     stdout = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={new}",
@@ -660,6 +664,24 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
     assert f"init_from {out}: 2 layers" in stdout
     old = torch.load(out / "ckpt_0000004.pt", weights_only=True)["model"]
     assert all(torch.equal(v, old[k]) for k, v in checkpoints.load(new / "ckpt_0000001.pt")["model"].items())
+
+
+def test_train_shards_that_changed_under_the_checkpoint_are_refused_unless_allowed(good_run, tmp_path):
+    """Shards made again (another size) under a run's data_dir: its saved position would point into
+    other tokens, so the resume is refused in one line naming --init_from and --allow_new_data."""
+    import shutil
+    out, _ = copy_run(good_run, tmp_path)
+    data = tmp_path / "data"
+    shutil.copytree(good_run / "data", data)
+    write_shard(data / "tiny_train_000002.bin", np.arange(1500) % 512)
+    args = [*SMALL[len(TINY):], f"--data_dir={data}", f"--out_dir={out}", "--max_steps=6"]
+    err = train_error(*args)
+    assert err == (f"train_gpt2.py: error: the train shards in {data} are not those checkpoint "
+                   f"{out}/ckpt_0000004.pt was trained on (as [name, tokens]: ['tiny_train_000002.bin', "
+                   f"2000] then, ['tiny_train_000002.bin', 1500] now): start a new run from its weights "
+                   f"with --out_dir=NEW_DIR --init_from={out}, or pass --allow_new_data=true to go on "
+                   f"at the same token offset in these\n")
+    assert "resumed from" in run_training([*TINY, *args, "--allow_new_data=true"]).stdout
 
 
 def test_a_checkpoint_of_another_architecture_is_one_line_naming_its_keys(good_run, tmp_path):

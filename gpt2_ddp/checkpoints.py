@@ -171,6 +171,14 @@ class Unloadable(Exception):
     """A checkpoint that cannot be read, is not one of train_gpt2.py's, or fails its checksum."""
 
 
+class NotOurs(Unloadable):
+    """A file torch.load reads that lacks `missing`, keys every train_gpt2.py checkpoint holds."""
+
+    def __init__(self, missing):
+        super().__init__(f"not a train_gpt2.py checkpoint: no {', '.join(missing)}")
+        self.missing = missing
+
+
 def load(path):
     """The state that save() wrote, on the CPU (memory-mapped, so ranks on one node share the
     pages), after checking its keys and checksum. Raises Unloadable with the reason in one line."""
@@ -180,7 +188,7 @@ def load(path):
         raise Unloadable(f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}")
     missing = [key for key in (*KEYS, "sha256") if key not in state] if isinstance(state, dict) else KEYS
     if missing:
-        raise Unloadable(f"not a train_gpt2.py checkpoint: no {', '.join(missing)}")
+        raise NotOurs(missing)
     expected = state.pop("sha256")
     if sha256(state) != expected:
         raise Unloadable("its contents do not match its checksum: the file is corrupt")

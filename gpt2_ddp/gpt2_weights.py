@@ -28,7 +28,6 @@ MODEL_KEYS = (*SHAPE_KEYS.values(), "bias")  # the Config keys that fix the mode
 SOURCES = (f"a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or "
            f"{', '.join(HUB_NAMES)}")
 ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins
-NOT_OURS = "not a train_gpt2.py checkpoint"  # how checkpoints.load words a file of other contents
 JSON_KINDS = {str: "a string", float: "a float", bool: "a boolean", type(None): "null", list: "an array",
               dict: "an object"}
 
@@ -51,11 +50,10 @@ def load_weights(source, weights=True):
         raise UserError(f"{path} is not a train_gpt2.py checkpoint ({what}); pass {SOURCES}")
     try:
         ckpt = checkpoints.load(path)
+    except checkpoints.NotOurs as e:
+        raise UserError(f"{path} is not a train_gpt2.py checkpoint (it holds no "
+                        f"{', '.join(e.missing)}); pass {SOURCES}") from None
     except checkpoints.Unloadable as e:
-        if str(e).startswith(NOT_OURS):
-            detail = str(e).removeprefix(NOT_OURS).strip(": ")  # "no model, optimizer, ..."
-            raise UserError(f"{path} is not a train_gpt2.py checkpoint (it holds {detail}); pass "
-                            f"{SOURCES}") from None
         raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
                         f"ckpt_*.pt of its out_dir") from None
     return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None

@@ -50,6 +50,14 @@ def test_the_tiny_run_goes_through_every_part_and_writes_the_report(tmp_path):
     assert "prepare_data.py" in (report / "compile.log").read_text()
 
 
+def ended(pid):
+    """Whether the process is gone, or a zombie that nobody reaps in a container without init."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch):
     """The hung part is killed at its limit, its child too; the report says so, shows the end of
     its log, and keeps the parts that earlier commands wrote into the same folder."""
@@ -67,12 +75,7 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch
     text = (report / "report.md").read_text()
     assert "| quick | passed |" in text and "| hang | timed out |" in text
     assert "The end of hang.log:" in text and "hanging" in text
-    child = int(pid_file.read_text())
-    try:  # gone, or a zombie that nobody reaps in a container without init
-        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
+    assert ended(int(pid_file.read_text()))
 
 
 def test_sigint_to_the_launcher_ends_the_process_group_it_started(tmp_path):
@@ -91,12 +94,7 @@ def test_sigint_to_the_launcher_ends_the_process_group_it_started(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert "stopped by SIGINT; ending the command it runs" in proc.stderr.read()
-    child = int(pid_file.read_text())
-    try:  # gone, or a zombie that nobody reaps in a container without init
-        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
+    assert ended(int(pid_file.read_text()))
 
 
 def test_without_a_gpu_a_real_run_is_refused_in_one_line(tmp_path):

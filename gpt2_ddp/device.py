@@ -6,29 +6,38 @@ kept from returning the CPU's freed memory to the OS.
 
 import ctypes
 import os
+import re
 
 import torch
 
 from gpt2_ddp.configurator import UserError
 
 
+def named_device(name):
+    """The torch.device that a --device value names: cpu, cuda, cuda:N or mps. Raises UserError for
+    another name, or a device that this machine or this build of torch lacks."""
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise UserError(f"--device={name} is not a device: pass cpu, cuda, cuda:N or mps")
+    device = torch.device(name)
+    count = torch.cuda.device_count()  # 0 where torch was built without CUDA
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise UserError(f"--device={name}: torch sees {count} CUDA device(s) here; pass --device=cpu"
+                        + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available here; pass --device=cpu")
+    return device
+
+
 def choose_device(config, local_rank, launched):
     """The torch.device of this rank: config.device, or for auto cuda:local_rank, else mps (one
-    process), else cpu. Raises UserError for a device this machine lacks."""
+    process), else cpu. Raises UserError for a device this machine lacks (named_device)."""
     if config.device != "auto":
-        device = torch.device(config.device)
-    elif torch.cuda.is_available():
-        device = torch.device(f"cuda:{local_rank}")
-    elif torch.backends.mps.is_available() and not launched:
-        device = torch.device("mps")
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device={config.device}: this machine has {torch.cuda.device_count()} "
-                        f"CUDA device(s) visible to torch; pass --device=auto or cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device=mps: MPS is not available here; pass --device=auto or cpu")
-    return device
+        return named_device(config.device)
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{local_rank}")
+    if torch.backends.mps.is_available() and not launched:
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 def make_deterministic(device):

@@ -14,7 +14,8 @@ import torch
 
 from gpt2_ddp import configurator, hellaswag
 from gpt2_ddp.configurator import UserError
-from scripts.sample import device_of
+from gpt2_ddp.device import named_device
+from scripts.sample import add_model_arguments
 from train_gpt2 import GPT
 
 GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, this scoring
@@ -22,17 +23,14 @@ GPT2_ACC_NORM = {"gpt2": 0.2955, "gpt2-xl": 0.4893}  # build-nanogpt's README, t
 
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("source", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face "
-                        "GPT-2 directory, a train_gpt2.py checkpoint file, or an out_dir (its latest)")
+    add_model_arguments(parser)
     parser.add_argument("--path", default="data/hellaswag/hellaswag_val.jsonl",
                         help="the validation jsonl; downloaded there when missing")
     parser.add_argument("--examples", type=int, default=0, help="score the first N (0: all)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")
     args = parser.parse_args(argv)
     if args.examples < 0:
         parser.error(f"--examples must be >= 0 (0: all), got {args.examples}")
-    device = device_of(args.device)
+    device = named_device(args.device)
     if Path(args.path).is_dir():
         raise UserError(f"--path {args.path} is a directory: pass the validation jsonl's path")
     if not Path(args.path).exists():

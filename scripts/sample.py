@@ -10,7 +10,6 @@ gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). A --seed gives the sam
 """
 
 import codecs
-import re
 import sys
 from pathlib import Path
 
@@ -18,23 +17,18 @@ import torch
 
 from gpt2_ddp import configurator
 from gpt2_ddp.configurator import UserError
+from gpt2_ddp.device import named_device
+from gpt2_ddp.gpt2_weights import SOURCES
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 from train_gpt2 import GPT
 
 
-def device_of(name):
-    """The torch.device that a --device option names: cpu, cuda, cuda:N or mps. Raises UserError
-    for another name, or for a device that this machine or this build of torch lacks."""
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
-        raise UserError(f"--device={name} is not a device: pass cpu, cuda, cuda:N or mps")
-    device = torch.device(name)
-    count = torch.cuda.device_count()  # 0 where torch was built without CUDA
-    if device.type == "cuda" and (device.index or 0) >= count:
-        raise UserError(f"--device={name}: torch sees {count} CUDA device(s) here; pass "
-                        f"--device=cpu" + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device=mps: MPS is not available here; pass --device=cpu")
-    return device
+def add_model_arguments(parser):
+    """The positional `source` and --device, which sample.py and hellaswag.py both take; turn
+    --device into a torch.device with device.named_device."""
+    parser.add_argument("source", help=f"the model: {SOURCES}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")
 
 
 def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, out=None):
@@ -57,8 +51,7 @@ def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, ou
 
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("source", help="out_dir, checkpoint file, Hugging Face GPT-2 directory, "
-                        "or gpt2 / gpt2-medium / gpt2-large / gpt2-xl")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default="\n",
                         help="text to continue (default: a newline; empty: from <|endoftext|>)")
     parser.add_argument("--prompt_file", help="read the prompt from this file instead")
@@ -68,8 +61,6 @@ def main(argv):
                         help="< 1 makes likely tokens likelier, > 1 flattens the distribution")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model, meant for CUDA: one graph for the prompt's "
                         "prefill, one for the one-token decode step at any position (the first "
@@ -81,7 +72,7 @@ def main(argv):
                      "--max_new_tokens >= 0")
     if not -2**63 <= args.seed < 2**64:
         parser.error(f"--seed must be in [-2**63, 2**64), the range torch seeds from; got {args.seed}")
-    device = device_of(args.device)
+    device = named_device(args.device)
     prompt = args.prompt
     if args.prompt_file:
         try:

@@ -77,7 +77,7 @@ def test_every_float_key_refuses_what_is_not_a_finite_number(value, tmp_path):
 
 
 @pytest.mark.parametrize("device, message", [
-    ("cuda:99", "--device=cuda:99: this machine has \\d+ CUDA device\\(s\\) visible to torch"),
+    ("cuda:99", "--device=cuda:99: torch sees \\d+ CUDA device\\(s\\) here; pass --device=cpu"),
     ("mps", "--device=mps: MPS is not available here"),
 ])
 def test_a_device_this_machine_lacks_is_refused_before_any_work(device, message):

@@ -332,17 +332,22 @@ def test_a_rank_whose_peer_never_joins_is_one_line_naming_the_timeout(tmp_path):
     """Rank 0 of two whose peer never starts, and rank 1 whose rank 0 never starts: each ends in one
     line within the collective timeout, not c10d's exception or its logged C++ stack."""
     start = time.time()
-    for rank in (0, 1):
+    procs, ports = [], set()
+    while len(ports) < 2:  # each alone, on a port of its own
+        ports.add(free_port())
+    for rank, port in enumerate(ports):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, "--collective_timeout_s=2",
-                               f"--out_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=60)
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "train_gpt2.py", *TINY, "--collective_timeout_s=2",
+                                       f"--out_dir={tmp_path / str(rank)}"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, proc in enumerate(procs):
+        _, stderr = proc.communicate(timeout=60)
         waited = ("could not join the process group within" if rank == 0
                   else "did not answer within")
-        assert proc.returncode == 1 and proc.stderr.startswith("train_gpt2.py: error: rank ")
-        assert f" {waited} collective_timeout_s=2 s (" in proc.stderr
-        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.returncode == 1 and stderr.startswith("train_gpt2.py: error: rank ")
+        assert f" {waited} collective_timeout_s=2 s (" in stderr
+        assert stderr.count("\n") == 1, stderr
     assert time.time() - start < 40
 
 

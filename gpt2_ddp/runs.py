@@ -80,7 +80,8 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
     """Runs cmd in the repo root with the environment `env` (None: this process's), calling
     on_line(line, from_stdout) for each output line as it comes, one call at a time. Returns
     (exit code, or None when killed past `timeout` seconds; stdout; stderr), as text. own_session:
-    it runs in a session of its own, and a timeout kills its whole process group."""
+    it runs in a session of its own, and a timeout kills its whole process group. A stop signal
+    to this process ends the child first (stop_signals_end)."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              cwd=ROOT, start_new_session=own_session)
     stdout, stderr, lock = [], [], threading.Lock()

@@ -31,15 +31,21 @@ def path_of(out_dir, step):
     return Path(out_dir) / f"ckpt_{step:07d}.pt"
 
 
+def step_of(name):
+    """The step of a file named as path_of() names a checkpoint, else None."""
+    digits = name.removeprefix("ckpt_").removesuffix(".pt")
+    return int(digits) if digits.isdecimal() and name == path_of(".", int(digits)).name else None
+
+
 def listed(out_dir):
     """The run's checkpoints in out_dir, oldest step first: files named as path_of() names them.
     Other files (a user's ckpt_best.pt, say) are never resumed from, pruned or counted."""
-    steps = {}
-    for path in Path(out_dir).glob("ckpt_*.pt"):
-        digits = path.name[len("ckpt_"):-len(".pt")]
-        if digits.isdecimal() and path.name == path_of(out_dir, int(digits)).name and path.is_file():
-            steps[int(digits)] = path
-    return [steps[step] for step in sorted(steps)]
+    steps = {step_of(p.name): p for p in Path(out_dir).glob("ckpt_*.pt") if p.is_file()}
+    return [steps[step] for step in sorted(steps.keys() - {None})]
+
+
+# the temp files that atomic_write leaves in out_dir when a run is killed mid-write
+OWN_TEMPS = ("log.jsonl.tmp", "token_ids.json.tmp", "wandb_run_id.tmp")
 
 
 def remove(path):
@@ -249,14 +255,16 @@ class OutDir:
         self.protected = set()
 
     def start(self, start_step, resumed_from, overwrite):
-        """Before the first step: removes temp files of killed saves, then keeps in log.jsonl only
-        the records up to start_step, the step resumed from (its evaluations included), and none on
-        a fresh start; or, with `overwrite` (a list of checkpoints), sets the log aside. The
-        checkpoint resumed from is never pruned. Raises UserError when out_dir cannot be written."""
+        """Before the first step: removes the temp files of killed saves (by their own names
+        alone), then keeps in log.jsonl only the records up to start_step, the step resumed from
+        (its evaluations included), and none on a fresh start; or, with `overwrite` (a list of
+        checkpoints), sets the log aside. The checkpoint resumed from is never pruned. Raises
+        UserError when out_dir cannot be written."""
         self.protected = {resumed_from} - {None}
         try:
             for stale in self.path.glob("*.tmp"):
-                stale.unlink()
+                if stale.name in OWN_TEMPS or step_of(stale.name.removesuffix(".tmp")) is not None:
+                    stale.unlink()
             if self.old_log.exists():  # an overwrite ended before its first checkpoint
                 os.replace(self.old_log, self.log_path)
             if overwrite:

@@ -258,10 +258,11 @@ def save_hf(model_state, config, out_dir):
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
                         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                         "unk_token": "<|endoftext|>", "add_prefix_space": False}
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")  # this process's own name
+    made = False
     try:
         tmp.mkdir(parents=True)
+        made = True  # what it made, and nothing else, goes after a failure
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         # safetensors >= 0.8 writes through a tempfile of mode 0o600 (safetensors#782)
         os.chmod(tmp / "model.safetensors", new_file_mode())
@@ -278,4 +279,5 @@ def save_hf(model_state, config, out_dir):
         raise UserError(f"cannot write {out_dir}: {e.strerror}; pick a directory you can "
                         f"write") from e
     finally:  # after the rename tmp is gone; after any failure, what was written goes with it
-        shutil.rmtree(tmp, ignore_errors=True)
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)

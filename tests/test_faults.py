@@ -496,16 +496,20 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(
 
 
 def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(good_run, tmp_path):
-    """A user's ckpt_best.pt (a good checkpoint, of step 2), a ckpt_abc.pt and a directory with a
-    checkpoint's name sit beside the run's checkpoints: the run resumes from its own newest, prunes
-    only its own, and leaves the others as they were. Steps past the zero padding sort by number."""
+    """A user's ckpt_best.pt (a good checkpoint, of step 2), a ckpt_abc.pt, a notes.tmp and a
+    directory with a checkpoint's name sit beside the run's checkpoints: the run resumes from its
+    own newest, prunes only its own (and a killed save's temp file), and leaves the others as they
+    were. Steps past the zero padding sort by number."""
     out, before = copy_run(good_run, tmp_path)
     (out / "ckpt_best.pt").write_bytes(before["ckpt_0000002.pt"])
     (out / "ckpt_abc.pt").write_bytes(b"notes")
     (out / "ckpt_0000009.pt").mkdir()
+    (out / "notes.tmp").write_text("mine")  # a temp name, but not one of a killed save's
+    (out / "ckpt_0000003.pt.tmp").write_bytes(b"cut")  # a killed save's
     proc = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
                          "--checkpoint_interval=1", "--keep_checkpoints=1"])
     assert f"resumed from {out}/ckpt_0000004.pt at step 4" in proc.stdout
+    assert (out / "notes.tmp").read_text() == "mine" and not (out / "ckpt_0000003.pt.tmp").exists()
     assert sorted(p.name for p in out.glob("ckpt_*")) == [
         "ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000009.pt", "ckpt_abc.pt", "ckpt_best.pt"]
     assert (out / "ckpt_best.pt").read_bytes() == before["ckpt_0000002.pt"]

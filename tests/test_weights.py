@@ -167,8 +167,11 @@ def test_exported_files_get_the_mode_of_new_files(tmp_path):
 
 def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny, tmp_path,
                                                                           monkeypatch):
+    """A failed export removes the temp directory it made, and only that: a user's hf.tmp stays."""
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match=f"{a_file} exists and is not an empty directory"):
         export_hf.main([str(hf_tiny), str(a_file)])
     with pytest.raises(UserError, match=f"cannot write {a_file}/hf: Not a directory"):
@@ -181,7 +184,8 @@ def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny
     with pytest.raises(UserError, match=f"cannot write {tmp_path / 'hf'}: Permission denied; pick "
                                         f"a directory you can write"):
         export_hf.main([str(hf_tiny), str(tmp_path / "hf")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "hf.tmp"]
+    assert (tmp_path / "hf.tmp" / "keep.txt").read_text() == "mine"
 
 
 SOURCES = ("a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or gpt2, "

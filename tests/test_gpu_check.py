@@ -1,7 +1,6 @@
-"""scripts/gpu_check.py on the CPU: its dry run checks every command of the GPU plan, its --tiny run
+"""scripts/gpu_check.py on the CPU: its dry run prints every command of the GPU plan, its --tiny run
 goes through every part and writes the report, and a part past its time limit is killed."""
 
-import json
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from gpt2_ddp.configurator import UserError
 from scripts import gpu_check
 
 
-def test_the_dry_run_prints_every_part_and_checks_its_configs(tmp_path, capsys, monkeypatch):
+def test_the_dry_run_prints_every_part_and_runs_nothing(tmp_path, capsys):
     gpu_check.main([str(tmp_path / "report"), "--dry-run"])
     out = capsys.readouterr().out
     for name in gpu_check.PARTS:
@@ -23,12 +22,6 @@ def test_the_dry_run_prints_every_part_and_checks_its_configs(tmp_path, capsys, 
     assert "--variants eager compile --micro_batch_sizes 16" in out
     assert "--variants ddp zero2 fsdp ddp_exact:--exact_reduction=true muon" in out
     assert not (tmp_path / "report").exists()  # nothing ran
-    # a config the benchmark would refuse fails the dry run, before a GPU spends minutes on it
-    monkeypatch.setattr(gpu_check, "BENCH_TRAIN_ARGS",
-                        [*gpu_check.BENCH_TRAIN_ARGS, "--micro_batch_size=48"])
-    with pytest.raises(UserError, match=r"^part compile, --compile=false: total_batch_size=131072 "
-                                        r"is not divisible by micro_batch_size \* seq_len"):
-        gpu_check.main([str(tmp_path / "report"), "--dry-run"])
 
 
 def test_the_tiny_run_goes_through_every_part_and_writes_the_report(tmp_path):
@@ -38,15 +31,13 @@ def test_the_tiny_run_goes_through_every_part_and_writes_the_report(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in report.iterdir()) == sorted(
-        ["report.md", "results.json", *(f"{name}.log" for name in gpu_check.PARTS)])
+        ["report.md", *(f"{name}.log" for name in gpu_check.PARTS)])
     text = (report / "report.md").read_text()
     for name in gpu_check.PARTS:
         assert f"| {name} | passed |" in text
     assert "1 passed" in text  # the tests' summary
     assert "\neager " in text and "\nddp " in text  # the benchmarks' tables, one row each
     assert "| cpu, 1 thread, 8 new tokens |" in text
-    results = json.loads((report / "results.json").read_text())["parts"]
-    assert all(r["status"] == "passed" for r in results.values())
     assert "prepare_data.py" in (report / "compile.log").read_text()
 
 
@@ -60,7 +51,7 @@ def ended(pid):
 
 def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch):
     """The hung part is killed at its limit, its child too; the report says so, shows the end of
-    its log, and keeps the parts that earlier commands wrote into the same folder."""
+    its log, and keeps the part that passed before it."""
     pid_file = tmp_path / "child.pid"
     hang = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); "
             f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('hanging', flush=True); "
@@ -69,12 +60,13 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch
         "quick": (60, "prints", lambda tiny, scratch: [[sys.executable, "-c", "print('done')"]]),
         "hang": (2, "hangs", lambda tiny, scratch: [[sys.executable, "-c", hang]])})
     report = tmp_path / "report"
-    gpu_check.main([str(report), "--tiny", "--part", "quick"])
     with pytest.raises(UserError, match=r"^part\(s\) hang did not pass: see .*report.md$"):
-        gpu_check.main([str(report), "--tiny", "--part", "hang"])
+        gpu_check.main([str(report), "--tiny", "--part", "hang", "quick"])  # run in PARTS order
     text = (report / "report.md").read_text()
     assert "| quick | passed |" in text and "| hang | timed out |" in text
-    assert "The end of hang.log:" in text and "hanging" in text
+    assert text.index("| quick |") < text.index("| hang |")
+    assert "\ndone\n" in text  # the end of quick's output
+    assert "## hang: timed out" in text and "\nhanging\n" in text  # the end of hang.log
     assert ended(int(pid_file.read_text()))
 
 

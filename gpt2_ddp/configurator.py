@@ -30,11 +30,9 @@ class UserError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser for the scripts. Options are defined with underscores (--out_dir)
-    and also answer to the hyphen spelling (--out-dir), which --help does not show. The description
-    is dedented and keeps its line breaks, so example commands are not run together. Abbreviations
-    are off, as scripts that pass unknown arguments on to train_gpt2.py would take a config key for
-    a prefix of their own option (--micro_batch_size=4 for --micro_batch_sizes)."""
+    """argparse.ArgumentParser for the scripts: options answer to --out_dir and --out-dir (not
+    shown), the description keeps its line breaks, and abbreviations are off, as scripts that pass
+    unknown arguments on to train_gpt2.py would take --micro_batch_size=4 for --micro_batch_sizes."""
 
     def __init__(self, *args, description=None, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
@@ -47,8 +45,7 @@ class ArgumentParser(argparse.ArgumentParser):
         print_quietly(self.format_help(), file)
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, after `--foo-bar` or `--foo-bar=value` of an option --foo_bar is rewritten
-        to that spelling. Arguments after `--`, and options not this parser's, stay as given."""
+        """argparse's, after --foo-bar[=value] of an option --foo_bar is spelled so (not after --)."""
         args = sys.argv[1:] if args is None else list(args)
         for i, arg in enumerate(args):
             if arg == "--":
@@ -92,13 +89,8 @@ def cast_value(key, raw, typ):
         if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
             raise ValueError  # a TOML array, table or boolean where a number or string belongs
         if typ is bool:
-            if isinstance(raw, bool):
-                return raw
-            if str(raw).lower() in ("true", "1", "yes"):
-                return True
-            if str(raw).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
+            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            return raw if isinstance(raw, bool) else words[str(raw).lower()]
         if typ is int:
             value = float(raw)
             if value != int(value) or abs(value) >= 2**63:  # the range of torch's and numpy's int64
@@ -110,16 +102,15 @@ def cast_value(key, raw, typ):
                 raise UserError(f"config key {key!r} must be a finite number, got {raw!r}")
             return value
         return str(raw)
-    except (ValueError, OverflowError):
+    except (ValueError, OverflowError, KeyError):
         raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
 
 
 def load_config(argv, config_class, rules):
-    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`: the file, then the overrides
-    (hyphens allowed: --max-steps=10). `rules` maps keys to (a predicate or a tuple of allowed
-    values, the rule in words), checked on the result. Raises UserError for a missing or malformed
-    config file, an unknown key (naming the closest), a value of the wrong type or against its
-    rule, or a malformed argument."""
+    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`. `rules` maps keys to (a
+    predicate or a tuple of allowed values, the rule in words). Raises UserError for a missing or
+    malformed config file, an unknown key, a value of the wrong type or against its rule, or a
+    malformed argument."""
     fields = {f.name: f.type for f in dataclasses.fields(config_class)}
     values = {}
     if argv and not argv[0].startswith("--"):
@@ -164,10 +155,8 @@ def toml_value(value):
 
 
 def help_lines(config_class, width=None):
-    """`--key=default  description` for each field of config_class: the default as toml_value
-    writes it, the description the comment on the field's line in the class's source. Descriptions
-    start two spaces after the longest --key=default of up to 40 characters (a longer one puts its
-    description on the next line) and wrap at `width` columns (None: the terminal's)."""
+    """`--key=default  description` for each field of config_class, the description taken from the
+    comment on the field's line, wrapped at `width` columns (None: the terminal's)."""
     if width is None:
         width = shutil.get_terminal_size().columns - 2
     source = inspect.getsource(config_class)

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from gpt2_ddp import configurator
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import MAX_SHARD_TOKENS, shard_name, write_shard
+from gpt2_ddp.shards import MAX_SHARD_TOKENS, read_json, shard_name, write_shard
 from gpt2_ddp.tokenizer import ASSETS_DIR, EOT_TOKEN, gpt2_encoding
 
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
@@ -343,7 +343,8 @@ def main(argv=None):
     manifest_path = out_dir / f"{name}_manifest.json"
     overwrite = args.overwrite
     if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not overwrite:
-        if _recorded_source(manifest_path) != source:
+        recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
+        if recorded != source:
             raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
                             f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
         changed = _changed_shard(out_dir, name, manifest_path)
@@ -516,22 +517,12 @@ class _DatasetRows:
             raise _read_error(self.where, e) from None
 
 
-def _recorded_source(manifest_path):
-    """The "inputs" and "options" of the manifest at `manifest_path`; None if it is unreadable."""
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        return {"inputs": manifest["inputs"], "options": manifest["options"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _changed_shard(out_dir, name, manifest_path):
     """None if out_dir's shards of `name` are the files its manifest lists, of the sizes it lists;
     else what differs, in words. Raises UserError for a file named like a shard of `name` that
     the manifest does not list, which the loader would read with them."""
-    try:
-        listed = {e["file"]: e["bytes"] for e in json.loads(manifest_path.read_text())["shards"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    listed = read_json(manifest_path, lambda m: {e["file"]: e["bytes"] for e in m["shards"]})
+    if listed is None:
         return f"{manifest_path} lists no shards"
     for file, size in sorted(listed.items()):
         path = out_dir / file
@@ -552,10 +543,7 @@ def _old_shards(out_dir, name, manifest_path):
     """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
     lists, and any file shards.shard_name reads as one of `name` (llm.c's too, or any a lost
     manifest or one without a list misses). Listed names with a directory or without .bin stay."""
-    try:
-        listed = {entry["file"] for entry in json.loads(manifest_path.read_text())["shards"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        listed = set()
+    listed = read_json(manifest_path, lambda m: {e["file"] for e in m["shards"]}) or set()
     return sorted(out_dir / f for f in os.listdir(out_dir)
                   if shard_name(f) in {(name, "train"), (name, "val")}
                   or (f in listed and f.endswith(".bin")))

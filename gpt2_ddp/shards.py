@@ -107,6 +107,15 @@ def _file_size(path):
     return st.st_size
 
 
+def read_json(path, pick=lambda value: value):
+    """pick(the JSON value in the file `path`); None where the file cannot be read, is not JSON, or
+    pick raises KeyError or TypeError (a manifest of another shape)."""
+    try:
+        return pick(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def shard_name(filename):
     """(dataset, split) of a shard's file name, {dataset}_{split}_{index}.bin (the index in
     digits) or {dataset}_{split}.bin, split being train or val; None for any other name."""
@@ -150,10 +159,7 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     read-only), an entry counting only while the shard's size and mtime are the ones it records;
     else read by rank i % world_size for shard i, rank 0 adding the results to the cache.
     reduce_max(list of ints), called once on every rank, is the element-wise maximum over ranks."""
-    try:
-        cache = json.loads(Path(cache_path).read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = read_json(cache_path)
     cache = cache if isinstance(cache, dict) else {}
     known = _recorded_maxima(paths, cache)
     todo = [p for p in paths if p not in known]
@@ -188,11 +194,8 @@ def _recorded_maxima(paths, cache):
     (by file name) or of `cache` (by resolved path) describes: same size and mtime."""
     listed = {}
     for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
-        try:
-            shards = json.loads(manifest.read_text())["shards"]
-            listed.update({manifest.parent / e["file"]: e for e in shards})
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a manifest with shard entries: its shards are scanned
+        entries = read_json(manifest, lambda m: {manifest.parent / e["file"]: e for e in m["shards"]})
+        listed.update(entries or {})  # none in a file that is not a manifest: its shards are scanned
     known = {}
     for path in paths:
         st = path.stat()

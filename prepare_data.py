@@ -30,7 +30,6 @@ their listed sizes, and makes them again when not.
 import argparse
 import collections
 import glob
-import itertools
 import json
 import multiprocessing
 import os
@@ -172,9 +171,7 @@ class _ShardWriter:
         self.out_dir, self.name = out_dir, name
         self.buf = np.empty(shard_size, dtype=np.uint16)
         self.fill = 0
-        self.index = 0
         self.split = None
-        self.stats = {}  # split -> (shards, tokens)
         self.shards = []  # the manifest's entry of each shard written, in writing order
 
     def add(self, split, tokens):
@@ -192,14 +189,11 @@ class _ShardWriter:
     def flush(self):
         if self.fill == 0:
             return
-        path = self.out_dir / f"{self.name}_{self.split}_{self.index:06d}.bin"
+        path = self.out_dir / f"{self.name}_{self.split}_{len(self.shards):06d}.bin"
         write_shard(path, self.buf[: self.fill])
         st = path.stat()  # a rename into out_dir keeps the mtime, which the loader checks
         self.shards.append({"file": path.name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                             "tokens": self.fill, "max_token_id": int(self.buf[: self.fill].max())})
-        shards, tokens = self.stats.get(self.split, (0, 0))
-        self.stats[self.split] = (shards + 1, tokens + self.fill)
-        self.index += 1
         self.fill = 0
 
 
@@ -389,10 +383,10 @@ def main(argv=None):
         os.replace(path, out_dir / path.name)
     staging.rmdir()
     _write_manifest(manifest_path, source, writer.shards)
-    print(f"wrote {writer.index} shard(s) to {out_dir}")
+    print(f"wrote {len(writer.shards)} shard(s) to {out_dir}")
     for split in ("val", "train"):
-        shards, tokens = writer.stats.get(split, (0, 0))
-        print(f"  {split:5s}: {shards:4d} shard(s) {tokens:15,d} tokens")
+        tokens = [s["tokens"] for s in writer.shards if shard_name(s["file"])[1] == split]
+        print(f"  {split:5s}: {len(tokens):4d} shard(s) {sum(tokens):15,d} tokens")
 
 
 def _inputs(args):
@@ -508,11 +502,8 @@ class _DatasetRows:
 
     def __iter__(self):
         try:
-            rows = iter(self.dataset)
-            for number in itertools.count(1):
-                yield f"{self.where} row {number}", next(rows)
-        except StopIteration:
-            return
+            for number, row in enumerate(self.dataset, 1):
+                yield f"{self.where} row {number}", row
         except Exception as e:  # pyarrow's and datasets' parse and cast errors
             raise _read_error(self.where, e) from None
 
@@ -594,8 +585,8 @@ def _write_shards(args, sources, what, name, staging):
     if writer.split is None:  # no document came through, so nothing has been written
         raise UserError(f"empty input: no documents in {what}")
     writer.flush()
-    if "train" not in writer.stats:
-        n = writer.stats["val"][1]
+    if writer.split == "val":  # val comes first, so all shards are val
+        n = sum(s["tokens"] for s in writer.shards)
         raise UserError(f"the input has only {n} tokens, all of them went to val (--val_tokens "
                         f"{val_tokens}); no train shard was written")
     return writer

@@ -22,7 +22,7 @@ from scripts.check_equivalence import main as check_equivalence_main
 import train_gpt2
 
 SCRIPTS = ["prepare_data", *(f"scripts.{name}" for name in (
-    "hellaswag", "memory_plan", "bench", "bench_sample", "bench_tokenizer",
+    "hellaswag", "memory_plan", "bench", "bench_sample",
     "check_equivalence", "export_hf", "plot", "sample", "timeline", "gpu_check"))]
 
 

@@ -143,18 +143,14 @@ def _text(name, row, field):
 
 def _kind(value):
     """What a JSON or parquet value is, in words: 'null', 'the number 5', 'an array' and so on."""
-    if value is None:
-        return "null"
+    if value is None or type(value) in (list, dict):
+        return {type(None): "null", list: "an array", dict: "an object"}[type(value)]
     if isinstance(value, bool):
         return f"the boolean {str(value).lower()}"
     if isinstance(value, (int, float)):
         return f"the number {value}"
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
     return f"a {type(value).__name__} ({str(value)[:40]!r})"
 
 
@@ -175,6 +171,8 @@ class _ShardWriter:
         self.shards = []  # the manifest's entry of each shard written, in writing order
 
     def add(self, split, tokens):
+        if not len(tokens):
+            return
         if split != self.split:
             self.flush()  # val and train tokens never share a shard
             self.split = split
@@ -250,7 +248,6 @@ def _parse_args(argv):
         parser.error("--dataset_config and --split only apply to --dataset")
     if not 1 <= args.shard_size <= MAX_SHARD_TOKENS:
         parser.error(f"--shard_size must be in [1, {MAX_SHARD_TOKENS}]")
-    # train_gpt2.py evaluates on the val split and refuses data without one
     if not 0 < args.val_fraction < 1:
         parser.error("--val_fraction must be in (0, 1): training needs a val split")
     if args.val_tokens == 0:
@@ -562,10 +559,8 @@ def _write_shards(args, sources, what, name, staging):
                 bar.update(n_bytes)
                 bar.set_postfix_str(f"{total:,} tokens")
             bar.update(size - bar.n)  # the bytes of json and parquet that are not text
-        if total == 0:
-            raise UserError(f"empty input: no documents in {what}")
         val_tokens = int(total * args.val_fraction)
-        if val_tokens == 0:
+        if val_tokens == 0 and total:  # no tokens at all: the empty input is named below
             raise UserError(f"--val_fraction {args.val_fraction} of the input's {total} tokens is 0 "
                             f"tokens, and training needs a val split; raise --val_fraction or pass "
                             f"--val_tokens N")
@@ -575,13 +570,10 @@ def _write_shards(args, sources, what, name, staging):
     with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
         for tokens, _ in _tokenized(_texts(sources, args.text_field), args.workers):
             bar.update(len(tokens))
-            if val_left:
-                head = tokens[:val_left]
-                writer.add("val", head)
-                val_left -= len(head)
-                tokens = tokens[len(head):]
-            if len(tokens):
-                writer.add("train", tokens)
+            head = tokens[:val_left]
+            val_left -= len(head)
+            writer.add("val", head)
+            writer.add("train", tokens[len(head):])
     if writer.split is None:  # no document came through, so nothing has been written
         raise UserError(f"empty input: no documents in {what}")
     writer.flush()

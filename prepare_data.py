@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import re
 import shutil
-import stat
 import sys
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from tqdm import tqdm
 from gpt2_ddp import configurator
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import MAX_SHARD_TOKENS, read_json, shard_name, write_shard
+from gpt2_ddp.shards import MAX_SHARD_TOKENS, file_size, read_json, shard_name, write_shard
 from gpt2_ddp.tokenizer import ASSETS_DIR, EOT_TOKEN, gpt2_encoding
 
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
@@ -269,7 +268,14 @@ def _expand_inputs(patterns):
         files += matches
     first = {}  # the real path of each file -> the index of the first match naming it
     for i, f in enumerate(files):
-        _check_input_file(f)
+        file_size(f, f"input {f}", {"link": "; point it at a file or leave it out",
+                                    "directory": f", not a file; pass the files in it, e.g. --input "
+                                                 f"'{f.rstrip('/')}/*.txt'",
+                                    "other": "; pass files"})
+        try:
+            open(f, "rb").close()
+        except OSError as e:
+            raise UserError(f"cannot read input {f}: {e.strerror}") from None
         j = first.setdefault(os.path.realpath(f), i)
         if j != i:
             also = "" if files[j] == f else f" (also as {files[j]})"
@@ -283,26 +289,6 @@ def _expand_inputs(patterns):
     if len(extensions) > 1:
         raise UserError(f"all --input files must have one extension, got {', '.join(extensions)}")
     return files, READERS[extensions[0]]
-
-
-def _check_input_file(f):
-    """Raises UserError unless the input `f` is a regular file that can be opened for reading."""
-    try:
-        mode = os.stat(f).st_mode
-    except OSError as e:
-        if os.path.islink(f):
-            raise UserError(f"input {f} is a dangling link (to {os.readlink(f)}: {e.strerror}); "
-                            f"point it at a file or leave it out") from None
-        raise UserError(f"cannot read input {f}: {e.strerror}") from None
-    if stat.S_ISDIR(mode):
-        raise UserError(f"input {f} is a directory, not a file; pass the files in it, e.g. "
-                        f"--input '{f.rstrip('/')}/*.txt'")
-    if not stat.S_ISREG(mode):
-        raise UserError(f"input {f} is not a regular file (a pipe, socket or device); pass files")
-    try:
-        open(f, "rb").close()
-    except OSError as e:
-        raise UserError(f"cannot read input {f}: {e.strerror}") from None
 
 
 def _drop_bad_utf8(files, skip):

@@ -61,7 +61,9 @@ def read_shard_header(path):
     """Returns the token count (>= 1) of a .bin shard after checking that it is a readable file,
     that its header is llm.c's and that its size in bytes is the header's. Raises UserError for a
     bad one, naming the file and how to fix it."""
-    size = _file_size(path)
+    size = file_size(path, path, {"link": ", named like a shard; point it at a shard or remove it",
+                                  "directory": ", named like a shard: a shard is a file; move or rename it",
+                                  "other": ", named like a shard; move or rename it"})
     if size < HEADER_INTS * 4:
         raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
     try:
@@ -88,22 +90,21 @@ def read_shard_header(path):
     return n_tokens
 
 
-def _file_size(path):
-    """The size in bytes of the file `path`. Raises UserError for a path named like a shard that is
-    a directory, a dangling link, or not a regular file (a pipe would block the reader)."""
+def file_size(path, what, advice):
+    """The size in bytes of the regular file `path`, which `what` names ("input a.txt"). Raises
+    UserError for a dangling link, a directory, or any other kind of file (a pipe would block its
+    reader), the message ending with advice["link"], advice["directory"] or advice["other"]."""
     try:
         st = os.stat(path)
     except OSError as e:
         if os.path.islink(path):
-            raise UserError(f"{path} is a dangling link (to {os.readlink(path)}: {e.strerror}), named "
-                            f"like a shard; point it at a shard or remove it") from None
-        raise UserError(f"cannot read shard {path}: {e.strerror}") from None
+            raise UserError(f"{what} is a dangling link (to {os.readlink(path)}: {e.strerror})"
+                            f"{advice['link']}") from None
+        raise UserError(f"cannot read {what}: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode):
-        raise UserError(f"{path} is a directory, named like a shard: a shard is a file; move or "
-                        f"rename it")
+        raise UserError(f"{what} is a directory{advice['directory']}")
     if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"{path} is not a regular file (a pipe, socket or device), named like a "
-                        f"shard; move or rename it")
+        raise UserError(f"{what} is not a regular file (a pipe, socket or device){advice['other']}")
     return st.st_size
 
 

@@ -10,11 +10,9 @@ MFU, peak GPU memory, where a step's time goes, and one rank's optimizer state a
     python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
 
 Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra
-`--key=value` arguments. Profiled steps 3-5 give the time split, with rank 0's trace in
-{out}/{variant}/trace_rank0.json, and tokens/s is the median of the steps after them. The all-reduce
-wait is the syncing micro-step's extra time over the others ('-' when grad_accum_steps is 1).
-A rerun replaces only the variant directories that bench.py made; SIGTERM or Ctrl-C ends the
-training run too.
+`--key=value` arguments, rank 0's trace in {out}/{variant}/trace_rank0.json; docs/perf.md explains
+the columns. A rerun replaces only the variant directories that bench.py made; SIGTERM or Ctrl-C
+ends the training run too.
 """
 
 import json

@@ -9,11 +9,10 @@ that each trains the same model as this one at every world size.
     python -m scripts.check_equivalence configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --world_sizes 2 --python venv/bin/python
 
-Arguments other than the options below go to train_gpt2.py. The config's total_batch_size must be
-divisible by micro_batch_size * seq_len * world_size for each world size. World size 1 runs as
-`python train_gpt2.py`, the others under torchrun, all with --resume=never --overwrite=true. Each
-run's steps show on stderr as it trains; the tables go to stdout. With --python it exits 1 when a
-loss or gradient norm differs from this interpreter's by more than --tolerance, relative.
+Arguments other than the options below go to train_gpt2.py. World size 1 runs as `python
+train_gpt2.py`, the others under torchrun, all with --resume=never --overwrite=true. Each run's
+steps show on stderr as it trains; the tables go to stdout. With --python it exits 1 when a loss
+or gradient norm differs from this interpreter's by more than --tolerance, relative.
 """
 
 import subprocess

@@ -30,7 +30,6 @@ from gpt2_ddp import configurator, runs
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # micro-batch 32 fits the corpus's val split and an H100 at 124M
 BENCH_TRAIN_ARGS = ["--hellaswag_interval=0", "--micro_batch_size=32", "--total_batch_size=131072"]
@@ -126,7 +125,7 @@ def machine():
     import torch
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=runs.ROOT,
                                 capture_output=True, text=True).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"

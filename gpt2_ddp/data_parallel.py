@@ -201,19 +201,8 @@ class OptimizerOfViews:
     def __init__(self, optimizer, params):
         self.optimizer, self.params = optimizer, params
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none)
-
-    def step(self):
-        self.optimizer.step()
+    def __getattr__(self, name):  # param_groups, state, zero_grad(), step(): the optimizer's own
+        return getattr(self.optimizer, name)
 
     def state_dict(self):
         inner = self.optimizer.state_dict()

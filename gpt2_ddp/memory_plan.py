@@ -93,16 +93,6 @@ def max_micro_batch(config, world_size, device_type, counts, memory_bytes, usabl
     return max(0, int(room // per_sequence))
 
 
-def summary(config, world_size, device_type, counts):
-    """One line for train_gpt2.py's console: the plan's parts and total, in GB (MB under 1 GB)."""
-    parts = plan(config, world_size, device_type, counts)
-    unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
-    sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
-    return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, "
-            f"{config.sharding}, activation checkpointing "
-            f"{'on' if config.activation_checkpointing else 'off'})")
-
-
 def available_bytes(device):
     """(bytes, words) of memory `device` (a torch.device) can still allocate: CUDA's free memory, or
     on Linux CPUs MemAvailable plus free swap from /proc/meminfo; None where it cannot be known."""
@@ -121,17 +111,23 @@ def available_bytes(device):
 
 
 def checked_summary(config, world_size, device, counts):
-    """summary()'s line for `device` (a torch.device). Raises UserError, in one line, when the
-    planned parameters, gradients and optimizer state per rank exceed available_bytes(device)."""
+    """One line for train_gpt2.py's console: the plan's parts and total per rank on `device` (a
+    torch.device), in GB (MB under 1 GB). Raises UserError, in one line, when the planned
+    parameters, gradients and optimizer state per rank exceed available_bytes(device)."""
+    parts = plan(config, world_size, device.type, counts)
     # refused only on what the optimizer step surely holds: not the activations, nor autocast's bf16
     # copies (absent from the CPU plan) or exact_reduction's float64 sums, freed by then
     surely = plan(dataclasses.replace(config, exact_reduction=False), world_size, "cpu", counts)
     held = {part: surely[part] for part in ("parameters", "gradients", "optimizer state")}
     available = available_bytes(device)
     if available is not None and sum(held.values()) > available[0]:
-        total = plan(config, world_size, device.type, counts)["total"]
         sizes = ", ".join(f"{part} {size / GB:.1f} GB" for part, size in held.items())
         raise UserError(f"the model needs at least {sum(held.values()) / GB:.1f} GB per rank ({sizes}; "
-                        f"memory_plan's total with activations {total / GB:.1f} GB) but {available[1]}; "
-                        "lower n_layer, n_embd or vocab_size, or shard it over more ranks (--sharding=fsdp)")
-    return summary(config, world_size, device.type, counts)
+                        f"memory_plan's total with activations {parts['total'] / GB:.1f} GB) but "
+                        f"{available[1]}; lower n_layer, n_embd or vocab_size, or shard it over more "
+                        "ranks (--sharding=fsdp)")
+    unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
+    sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
+    return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, "
+            f"{config.sharding}, activation checkpointing "
+            f"{'on' if config.activation_checkpointing else 'off'})")

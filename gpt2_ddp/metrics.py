@@ -112,27 +112,21 @@ def state_bytes(optimizer):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def first_unlogged_step(log_path):
-    """1 + the largest step of log.jsonl's records, 0 for none: after OutDir.start has cut the
-    steps this run logs again, the first step this run may log."""
-    lines = log_path.read_text().splitlines() if log_path.exists() else []
-    return max((json.loads(line)["step"] for line in lines), default=-1) + 1
-
-
 def open_sinks(out, config, start_step):
     """The sinks config asks for besides log.jsonl, on rank 0. Raises UserError as they do."""
     sinks = []
     # TensorBoard first, so a missing package stops the run before wandb.init makes an empty run
-    if config.tensorboard:
-        sinks.append(TensorBoard(config, first_unlogged_step(out.log_path)))
+    if config.tensorboard:  # from the first step past log.jsonl's, which OutDir.start has cut
+        lines = out.log_path.read_text().splitlines() if out.log_path.exists() else []
+        first_step = max((json.loads(line)["step"] for line in lines), default=-1) + 1
+        sinks.append(TensorBoard(config, first_step))
     if config.wandb_log:
         sinks.append(Wandb(config, resumed=start_step > 0))
     return sinks
 
 
 def close_sinks(sinks, failed):
-    """Flushes and closes each sink (the last records reach wandb and the event files), telling
-    it whether an exception ended the run."""
+    """Flushes and closes each sink, telling it whether an exception ended the run."""
     for sink in sinks:
         sink.close(failed)
 

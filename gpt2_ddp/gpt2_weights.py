@@ -33,10 +33,9 @@ JSON_KINDS = {str: "a string", float: "a float", bool: "a boolean", type(None): 
 
 
 def load_weights(source, weights=True):
-    """(shape, state) of `source`, a train_gpt2.py checkpoint (any format version), an out_dir (its
-    newest ckpt_*.pt), a Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its
-    values, state is its model state dict (None without `weights`). Raises UserError for a source
-    that is none of these, a file that is not a train_gpt2.py checkpoint, or a damaged one."""
+    """(shape, state) of `source`, a checkpoint (any format version) or out_dir of train_gpt2.py, a
+    Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its values, state is its
+    model state dict (None without `weights`). Raises UserError for any other, or a damaged one."""
     path = checkpoints.resolve(source)
     if path is None:
         return load_hf(source, weights)
@@ -113,12 +112,9 @@ def read_hf_config(path):
 
 
 def load_hf(source, weights=True):
-    """Reads a Hugging Face GPT-2 checkpoint (`source` as for hf_dir). Returns (shape, state_dict):
-    shape maps MODEL_KEYS to its values; state_dict is keyed and laid out as GPT.state_dict(),
-    float32, or None without `weights` (only config.json is read). Raises UserError for a config
-    (read_hf_config) or weights file that cannot be read, a checkpoint not of GPT-2's architecture,
-    or a tensor that is not finite floats; the caller checks tensor names and shapes
-    (state_mismatch)."""
+    """(shape, state) of a Hugging Face GPT-2 checkpoint (`source` as for hf_dir), as load_weights
+    returns them. Raises UserError as hf_dir, read_hf_config and hf_state do, or for a config not of
+    GPT-2's architecture; the caller checks tensor names and shapes (state_mismatch)."""
     path = hf_dir(source)
     hf_config = read_hf_config(path)
     # the architecture train_gpt2.GPT implements; any other would load and compute something else
@@ -224,27 +220,24 @@ def tokenizer_files():
 
 
 def save_hf(model_state, config, out_dir):
-    """Writes out_dir, a Hugging Face GPT-2 directory (config.json, model.safetensors in float32,
-    vocab.json, merges.txt, tokenizer_config.json) that `GPT2LMHeadModel.from_pretrained` and
-    `GPT2TokenizerFast.from_pretrained` load offline. model_state is a GPT's state dict, config its
+    """Writes out_dir, a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained` and
+    `GPT2TokenizerFast.from_pretrained` load offline, from a GPT's state dict and its
     train_gpt2.Config. All config.vocab_size rows are kept (50304 with the padding), so logits are
-    ours exactly; bias=false models get zero biases. Written to a temporary directory, then renamed,
-    so out_dir is whole or absent, its files with a new file's mode. Raises UserError, naming the
-    path, if out_dir exists and is not an empty directory, or cannot be written."""
+    ours exactly; bias=false models get zero biases. out_dir is whole or absent (a temporary
+    directory renamed). Raises UserError if out_dir exists and is not an empty directory, or cannot
+    be written."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} exists and is not an empty directory: remove it or pick "
                         f"another directory")
     tensors = {}
-    for key, tensor in model_state.items():
-        if key == "lm_head.weight":
-            continue
-        tensor = tensor.detach().float().cpu()
-        tensors[key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
     for key, tensor in model_state.items():  # bias=false: zero biases for the Linears and norms
         if key.startswith(("transformer.h.", "transformer.ln_f.")) and key.endswith(".weight"):
             tensors.setdefault(key.removesuffix("weight") + "bias", torch.zeros(tensor.shape[0]))
+        if key != "lm_head.weight":
+            tensor = tensor.detach().float().cpu()
+            tensors[key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
     hf_config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size,

@@ -53,10 +53,9 @@ def make_deterministic(device):
 
 
 def keep_freed_cpu_memory():
-    """Makes glibc keep freed memory in the heap instead of handing it back to the OS: it serves
-    blocks over its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so each step
-    would page-fault its largest tensors (the logits) in anew (docs/perf.md). No-op where libc is
-    not glibc."""
+    """Makes glibc keep freed memory in the heap: above its mmap threshold (at most 32 MiB) it would
+    unmap blocks on free, so each step would page-fault its logits in anew (docs/perf.md). No-op
+    where libc is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

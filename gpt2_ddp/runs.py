@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=None):
-    """The argv that runs train_gpt2.py with `args` under the interpreter `python`: `python
-    train_gpt2.py` for one process, torchrun (`python -m torch.distributed.run --standalone
-    --nproc_per_node=N`, then `torchrun_args`) for more, or for one with torchrun=True."""
+    """The argv that runs train_gpt2.py with `args` under `python`: plain for one process, under
+    torchrun --standalone --nproc_per_node=N (then `torchrun_args`) for more, or with torchrun=True."""
     script = str(ROOT / "train_gpt2.py")
     if not (nproc > 1 if torchrun is None else torchrun):
         return [python, script, *args]
@@ -112,12 +111,9 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
 
 def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None,
           torchrun=None):
-    """Runs command(args, nproc, python, torchrun=torchrun) in the repo root with the environment
-    `env` (None: this process's) and waits for it. Returns the CompletedProcess, stdout and stderr
-    as text. progress: a label; if given, the run's start, its "step" lines and its end with the
-    time taken are printed on stderr after `{progress}: `. Raises UserError with the command, its
-    exit status and output if it fails, and subprocess.TimeoutExpired with the output so far if it
-    runs past `timeout` seconds (killed then, as subprocess.run does)."""
+    """Runs command(args, ...) through stream() and returns the CompletedProcess. progress: a label
+    that prefixes the run's start, "step" lines and end, printed on stderr. Raises UserError with
+    the output if it fails, and subprocess.TimeoutExpired if it runs past `timeout` seconds."""
     cmd = command(args, nproc, python, torchrun=torchrun)
     start = time.monotonic()
     if progress is not None:

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +116,10 @@ def _tokenized(texts, workers, docs_per_task=256):
 
 
 def _texts(sources, field):
-    """Yields the text of every non-empty document of the (where, rows) sources. Raises UserError
+    """Yields the text of every non-empty document of the (where, rows()) sources. Raises UserError
     naming the file and row (line, for json) for a row unreadable or without text in `field`."""
     for _, rows in sources:
-        for name, row in rows:
+        for name, row in rows():
             text = _text(name, row, field)
             if text:  # an empty document would add nothing but an <|endoftext|>
                 yield text
@@ -333,7 +334,7 @@ def main(argv=None):
 
     sources = _sources(args, files, reader)
     for _, rows in sources:
-        first = next(iter(rows), None)
+        first = next(rows(), None)
         if first is not None:
             _text(*first, args.text_field)
 
@@ -394,14 +395,14 @@ def _inputs(args):
 
 
 def _sources(args, files, reader):
-    """The (where, rows) sources, rows an iterable of (row name, dict) pairs that can be read
-    twice: a hub dataset, streamed, or one per local file, so errors can name it. .txt files are
+    """The (where, rows) sources, rows() an iterator of (row name, dict) pairs, read afresh on
+    each call: a hub dataset, streamed, or one per local file, so errors can name it. .txt files are
     read as `datasets`' text builder with sample_by=document does, and json files as its json
     builder does, but without it, which the training does not need."""
     if reader == "text":  # zero-byte files hold no documents
-        return [(f, _TextFile(f)) for f in files if os.path.getsize(f) > 0]
+        return [(f, partial(_text_rows, f)) for f in files if os.path.getsize(f) > 0]
     if reader == "json":
-        return [(f, _JsonFile(f)) for f in files]
+        return [(f, partial(_json_rows, f)) for f in files]
     try:  # imported here: slow to import, and only the hub and parquet need it
         import datasets
         from datasets import load_dataset
@@ -411,51 +412,41 @@ def _sources(args, files, reader):
     # _read_error() reports parse errors in one line, which datasets' logger would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if args.dataset:
-        return [(args.dataset, _DatasetRows(args.dataset, load_dataset(
+        return [(args.dataset, partial(_dataset_rows, args.dataset, load_dataset(
             args.dataset, args.dataset_config, split=args.split, streaming=True)))]
     sources = []
     for f in files:
         # the parquet builder crashes on zero-byte files, which hold no documents
         if os.path.getsize(f) > 0:
             try:
-                sources.append((f, _DatasetRows(f, load_dataset(reader, data_files=f, split="train",
-                                                                streaming=True))))
+                dataset = load_dataset(reader, data_files=f, split="train", streaming=True)
             except Exception as e:
                 raise _read_error(f, e) from None
+            sources.append((f, partial(_dataset_rows, f, dataset)))
     return sources
 
 
-class _TextFile:
-    """A .txt file as one row, (its path, {"text": its contents}), read from disk on each iteration."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __iter__(self):
-        yield str(self.path), {"text": Path(self.path).read_text(encoding="utf-8")}
+def _text_rows(path):
+    """A .txt file as one row: (its path, {"text": its contents})."""
+    yield str(path), {"text": Path(path).read_text(encoding="utf-8")}
 
 
-class _JsonFile:
-    """The rows of a .jsonl or .json file as (name, row) pairs, read from disk on each iteration:
-    one JSON value a non-blank line, named by line; or for a .json file that starts with '[', the
-    elements of the array it holds, named by item (the two forms `datasets`' json builder reads).
-    Raises UserError for a line, or such a file, that is not UTF-8 JSON."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __iter__(self):
-        with open(self.path, "rb") as f:
-            if self.path.endswith(".json") and f.read(1 << 16).lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"[":
-                f.seek(0)
-                items = _json_value(f.read(), self.path, "fix it")
-                yield from ((f"{self.path} item {i}", row) for i, row in enumerate(items, 1))
-                return
+def _json_rows(path):
+    """The rows of a .jsonl or .json file as (name, row) pairs: one JSON value a non-blank line,
+    named by line; or for a .json file that starts with '[', the elements of the array it holds,
+    named by item (the two forms `datasets`' json builder reads). Raises UserError for a line, or
+    such a file, that is not UTF-8 JSON."""
+    with open(path, "rb") as f:
+        if path.endswith(".json") and f.read(1 << 16).lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"[":
             f.seek(0)
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    name = f"{self.path} line {number}"
-                    yield name, _json_value(line, name, "fix or remove that line")
+            items = _json_value(f.read(), path, "fix it")
+            yield from ((f"{path} item {i}", row) for i, row in enumerate(items, 1))
+            return
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                name = f"{path} line {number}"
+                yield name, _json_value(line, name, "fix or remove that line")
 
 
 def _json_value(data, name, fix):
@@ -476,19 +467,14 @@ def _json_value(data, name, fix):
         raise UserError(f"{name} is not valid JSON ({e}); {fix}") from None
 
 
-class _DatasetRows:
+def _dataset_rows(where, dataset):
     """A `datasets` dataset's rows as (name, row) pairs, named '{where} row {n}' from 1. Raises
-    UserError, on iteration, for one that fails to parse."""
-
-    def __init__(self, where, dataset):
-        self.where, self.dataset = where, dataset
-
-    def __iter__(self):
-        try:
-            for number, row in enumerate(self.dataset, 1):
-                yield f"{self.where} row {number}", row
-        except Exception as e:  # pyarrow's and datasets' parse and cast errors
-            raise _read_error(self.where, e) from None
+    UserError for one that fails to parse."""
+    try:
+        for number, row in enumerate(dataset, 1):
+            yield f"{where} row {number}", row
+    except Exception as e:  # pyarrow's and datasets' parse and cast errors
+        raise _read_error(where, e) from None
 
 
 def _changed_shard(out_dir, name, manifest_path):

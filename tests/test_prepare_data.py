@@ -219,7 +219,7 @@ def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_p
                                                      sample_by="document", streaming=True)]
     monkeypatch.setitem(sys.modules, "datasets", None)
     [(where, rows)] = prepare_data._sources(prepare_data._parse_args([]), [str(path)], "text")
-    assert [row["text"] for _, row in rows] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
+    assert [row["text"] for _, row in rows()] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
     (tmp_path / "a.jsonl").write_text('{"text": "hi there"}\n' * 10)
     run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
     assert split_stream(tmp_path / "out", "train").tolist() == doc_tokens(*["hi there"] * 10)[3:]

@@ -1,20 +1,7 @@
 """
-Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training.
-
-Usage:
-
-    # the embedded tiny shakespeare corpus -> data/tinyshakespeare/
-    python prepare_data.py
-
-    # local files: .txt (one document per file), .jsonl/.json or .parquet (one document per row)
-    python prepare_data.py --input 'my_books/*.txt' --name books
-    python prepare_data.py --input corpus.jsonl --text_field content --shard_size 1e7
-
-    # a Hugging Face hub dataset, streamed (the first shard becomes the val split)
-    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT
-
-    # big local inputs: a fixed val size skips the extra pass that counts the tokens
-    python prepare_data.py --input 'shards/*.parquet' --val_tokens 1e7
+Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training: .txt files (one
+document each), .jsonl/.json or .parquet files (one document a row), or a Hugging Face hub dataset,
+streamed. docs/data.md shows how to run it; --help lists the options.
 
 Each document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The first tokens
 form the val split, the rest train, never in one shard. Shards, in llm.c's .bin format, are named

@@ -67,8 +67,7 @@ def read_shard_header(path):
     if size < HEADER_INTS * 4:
         raise UserError(f"shard {path} is truncated or empty ({size} bytes); {FIX}")
     try:
-        with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_INTS * 4), dtype="<i4")
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     except OSError as e:
         raise UserError(f"cannot read shard {path}: {e.strerror}") from None
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
@@ -133,8 +132,7 @@ def split_paths(data_dir, split, dataset="", required=False):
     if data_dir.exists() and not data_dir.is_dir():
         raise UserError(f"data_dir {data_dir} is a file, not a directory of shards; pass the directory "
                         f"that holds the shards")
-    named = {p: shard_name(p.name) for p in data_dir.glob("*.bin")}
-    named = {p: name for p, name in named.items() if name}
+    named = {p: found for p in data_dir.glob("*.bin") if (found := shard_name(p.name))}
     if not dataset:
         names = sorted({d for d, _ in named.values()})
         if len(names) > 1:

@@ -353,7 +353,9 @@ def main(argv=None):
     for path in sorted(staging.glob("*.bin")):
         os.replace(path, out_dir / path.name)
     staging.rmdir()
-    _write_manifest(manifest_path, source, writer.shards)
+    shards = sorted(writer.shards, key=lambda shard: shard["file"])  # the manifest lists them by name
+    manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
+    atomic_write(manifest_path, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
     print(f"wrote {len(writer.shards)} shard(s) to {out_dir}")
     for split in ("val", "train"):
         tokens = [s["tokens"] for s in writer.shards if shard_name(s["file"])[1] == split]
@@ -494,13 +496,6 @@ def _old_shards(out_dir, name, manifest_path):
     return sorted(out_dir / f for f in os.listdir(out_dir)
                   if shard_name(f) in {(name, "train"), (name, "val")}
                   or (f in listed and f.endswith(".bin")))
-
-
-def _write_manifest(path, source, shards):
-    """Writes the manifest atomically: `source`, "shards" in file-name order, "max_token_id"."""
-    shards = sorted(shards, key=lambda shard: shard["file"])
-    manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
-    atomic_write(path, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
 
 
 def _write_shards(args, sources, what, name, staging):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2_ddp.atomic import atomic_write
-from gpt2_ddp.collectives import agreed, broadcast_object
+from gpt2_ddp.collectives import agreed
 from gpt2_ddp.configurator import UserError
 
 try:
@@ -38,8 +38,7 @@ def step_of(name):
 
 
 def listed(out_dir):
-    """The run's checkpoints in out_dir, oldest step first: files named as path_of() names them.
-    Other files (a user's ckpt_best.pt, say) are never resumed from, pruned or counted."""
+    """The run's checkpoints in out_dir (files named as path_of() names them), oldest step first."""
     steps = {step_of(p.name): p for p in Path(out_dir).glob("ckpt_*.pt") if p.is_file()}
     return [steps[step] for step in sorted(steps.keys() - {None})]
 
@@ -110,26 +109,14 @@ def sha256(state):
     return h.hexdigest()
 
 
-def tensors(obj):
-    """Every tensor in a nested dict/list."""
+def map_tensors(fn, obj):
+    """obj (nested dicts, lists and tuples) with fn(t) in place of each tensor t."""
     if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from tensors(value)
-
-
-def to_cpu(obj):
-    """obj (nested dicts and lists) with every tensor on the CPU."""
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
+        return fn(obj)
     if isinstance(obj, dict):
-        return {key: to_cpu(value) for key, value in obj.items()}
+        return {key: map_tensors(fn, value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(value) for value in obj)
+        return type(obj)(map_tensors(fn, value) for value in obj)
     return obj
 
 
@@ -137,15 +124,17 @@ def save(path, state):
     """Writes state (a dict of KEYS and "evaluated"), its format VERSION and its sha256 to `path`
     atomically. Raises UserError, writing nothing and keeping every older checkpoint, when a float
     in state is not finite (the run diverged) or the write fails (disk full, permissions)."""
-    floats = {}  # by device: one host sync per device, not per tensor
-    for t in tensors(state):
+    found, floats = [], {}  # floats by device: one host sync per device, not per tensor
+    map_tensors(found.append, state)
+    for t in found:
         if t.is_floating_point():
             floats.setdefault(t.device, []).append(torch.isfinite(t).all())
     if not all(bool(torch.stack(flags).all()) for flags in floats.values()):
         raise UserError(f"the weights or optimizer state hold non-finite values at step "
                         f"{state['step']}, so {path} was not saved and the last checkpoint is "
                         f"kept: the run diverged; lower --max_lr or --grad_clip and resume")
-    state = {**to_cpu(state), "version": VERSION}  # on the CPU once, for the checksum and the write
+    # on the CPU once, for the checksum and the write
+    state = {**map_tensors(lambda t: t.detach().cpu(), state), "version": VERSION}
     state["sha256"] = sha256(state)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
@@ -203,9 +192,8 @@ def load(path):
 
 def newest_loadable(out_dir, warn):
     """The newest checkpoint of out_dir that loads, as (path, state), or (None, None) if there is
-    none. Each newer one that fails is named in warn() and renamed {name}.damaged (.damaged2...), so
-    it neither shadows the good one nor counts as the newest when pruning. Raises UserError, renaming
-    nothing, when checkpoints exist but none loads."""
+    none. Each newer one that fails is named in warn() and renamed {name}.damaged (.damaged2...).
+    Raises UserError, renaming nothing, when checkpoints exist but none loads."""
     paths = listed(out_dir)
     damaged = []
     for path in reversed(paths):
@@ -232,15 +220,6 @@ def newest_loadable(out_dir, warn):
     return None, None
 
 
-def prune(out_dir, keep, protected):
-    """Deletes all but the newest `keep` checkpoints of out_dir (0 keeps all), never one of
-    `protected` (the one the run resumed from, the one it just saved)."""
-    if keep > 0:
-        for old in listed(out_dir)[:-keep]:
-            if old not in protected:
-                remove(old)
-
-
 class OutDir:
     """Rank 0's hold on a run's out_dir: its lock (taken at once; raises UserError as lock() does),
     log.jsonl and checkpoints. With `overwrite` nothing old is deleted until the run's first
@@ -255,11 +234,9 @@ class OutDir:
         self.protected = set()
 
     def start(self, start_step, resumed_from, overwrite):
-        """Before the first step: removes the temp files of killed saves (by their own names
-        alone), then keeps in log.jsonl only the records up to start_step, the step resumed from
-        (its evaluations included), and none on a fresh start; or, with `overwrite` (a list of
-        checkpoints), sets the log aside. The checkpoint resumed from is never pruned. Raises
-        UserError when out_dir cannot be written."""
+        """Before the first step: removes the temp files of killed saves, then cuts log.jsonl to
+        the records up to start_step (none on a fresh start), or with `overwrite` (a list of
+        checkpoints) sets it aside. Raises UserError when out_dir cannot be written."""
         self.protected = {resumed_from} - {None}
         try:
             for stale in self.path.glob("*.tmp"):
@@ -273,15 +250,14 @@ class OutDir:
                     os.replace(self.log_path, self.old_log)
                 return
             lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
-            records = []
-            for line in lines:
+            kept = []
+            for line in lines if resumed_from is not None else []:
                 try:
                     record = json.loads(line)
-                    records.append((int(record["step"]), record))
+                    if int(record["step"]) <= start_step:
+                        kept.append(json.dumps(record) + "\n")
                 except (ValueError, KeyError, TypeError):
                     continue  # cut by a kill, or damaged: it cannot be plotted either
-            kept = [json.dumps(record) + "\n" for step, record in records
-                    if resumed_from is not None and step <= start_step]
             atomic_write(self.log_path, lambda f: f.write("".join(kept).encode()))
         except OSError as e:
             raise UserError(f"cannot write to out_dir {self.path}: {e.strerror}; pass a writable "
@@ -297,7 +273,7 @@ class OutDir:
 
     def save(self, step, state, keep):
         """Saves the checkpoint of `step` (save(), whose UserError it raises), deletes the old
-        ones and log the first time with overwrite, then prune()s to `keep`. Returns its path."""
+        ones and log the first time with overwrite, then keeps the newest `keep`. Returns its path."""
         path = path_of(self.path, step)
         save(path, state)
         if self.overwrite is not None:
@@ -306,7 +282,10 @@ class OutDir:
                     remove(old)
             remove(self.old_log)
             self.overwrite = None
-        prune(self.path, keep, self.protected | {path})
+        if keep > 0:  # 0 keeps all; never prunes the one resumed from or the one just saved
+            for old in listed(self.path)[:-keep]:
+                if old not in self.protected | {path}:
+                    remove(old)
         return path
 
 
@@ -324,12 +303,14 @@ def open_out_dir(config):
 
 
 def load_newest(out_dir, warn):
-    """The newest checkpoint of out_dir that loads, as (path, state) on every rank, or (None, None):
-    rank 0 chooses it (newest_loadable) and the others load that file. Raises UserError on every
-    rank when none loads or a rank cannot read rank 0's choice. A collective."""
+    """newest_loadable's (path, state) on every rank: rank 0 chooses, the others load that file.
+    Raises UserError on every rank when none loads or a rank cannot read rank 0's choice."""
     master_process = not dist.is_initialized() or dist.get_rank() == 0
     found = agreed(lambda: newest_loadable(out_dir, warn), master_only=True)
-    path = broadcast_object(found[0] if master_process else None)
+    box = [found[0] if master_process else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    path = box[0]
     if path is None:
         return None, None
 

@@ -34,15 +34,6 @@ def agreed(fn, master_only=False):
     return result
 
 
-def broadcast_object(obj):
-    """Rank 0's obj (picklable), on every rank. A collective."""
-    if dist.is_initialized():
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        obj = box[0]
-    return obj
-
-
 def all_reduce_max(values, device):
     """The element-wise maximum of a list of ints over ranks. A collective."""
     if not dist.is_initialized():
@@ -53,10 +44,9 @@ def all_reduce_max(values, device):
 
 
 def torchrun_env():
-    """(launched, rank, local_rank, world_size) from the variables torchrun sets: launched is
-    whether RANK is set; unset, the process is rank 0 of 1. Raises UserError, in one line, for a
-    value that is not a whole number, RANK or LOCAL_RANK not below WORLD_SIZE, or RANK set without
-    MASTER_ADDR and MASTER_PORT (where rank 0 waits for the others)."""
+    """(launched, rank, local_rank, world_size) from torchrun's variables; without RANK, rank 0 of
+    1. Raises UserError, in one line, for a value that is not a whole number, RANK or LOCAL_RANK not
+    below WORLD_SIZE, or RANK set without MASTER_ADDR and MASTER_PORT."""
     values = {}
     for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         raw = os.environ.get(name, default)
@@ -77,9 +67,8 @@ def torchrun_env():
 
 
 def wait_for_master(timeout_s):
-    """Waits up to timeout_s seconds for MASTER_ADDR:MASTER_PORT, rank 0's store, to take a
-    connection; c10d's own wait ends in a logged C++ stack. Raises UserError, in one line, when it
-    does not."""
+    """Waits up to timeout_s seconds for rank 0's store at MASTER_ADDR:MASTER_PORT to take a
+    connection, raising UserError, in one line, when it does not (c10d's wait logs a C++ stack)."""
     address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     deadline = time.monotonic() + timeout_s
     while True:

@@ -133,9 +133,8 @@ def close_sinks(sinks, failed):
 
 class Metrics:
     """The reports of a run from start_step (its checkpoint's step, 0 for none) on. out: rank 0's
-    checkpoints.OutDir (None on the other ranks); flops_per_step: training FLOPs per optimizer step.
-    MFU divides by config.peak_flops, else peak_flops(device), else is not reported. A collective:
-    opens the sinks on rank 0, raising UserError on every rank if one fails; close() ends them."""
+    checkpoints.OutDir (None elsewhere); flops_per_step: training FLOPs per optimizer step, for MFU.
+    A collective: opens the sinks on rank 0, raising UserError on every rank if one fails."""
 
     def __init__(self, out, config, world_size, device, flops_per_step, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device

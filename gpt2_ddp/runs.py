@@ -43,8 +43,7 @@ def send(child, signum, own_session):
 def stop_signals_end(child, own_session):
     """While the block waits on child, SIGTERM or SIGINT to this process passes SIGTERM on to the
     child, waits up to STOP_GRACE_S for it to end (then kills it), and exits with 128 + the signal's
-    number, so no child outlives the script. Only the main thread can take signals: elsewhere it
-    does nothing."""
+    number. Only the main thread can take signals: elsewhere it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -76,11 +75,10 @@ def stop_signals_end(child, own_session):
 
 
 def stream(cmd, on_line, timeout=None, env=None, own_session=False):
-    """Runs cmd in the repo root with the environment `env` (None: this process's), calling
-    on_line(line, from_stdout) for each output line as it comes, one call at a time. Returns
-    (exit code, or None when killed past `timeout` seconds; stdout; stderr), as text. own_session:
-    it runs in a session of its own, and a timeout kills its whole process group. A stop signal
-    to this process ends the child first (stop_signals_end)."""
+    """Runs cmd in the repo root, calling on_line(line, from_stdout) for each output line as it
+    comes, one call at a time. Returns (exit code, or None when killed past `timeout` seconds;
+    stdout; stderr). own_session: it runs in a session of its own, and a timeout kills its whole
+    process group. A stop signal to this process ends the child first (stop_signals_end)."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              cwd=ROOT, start_new_session=own_session)
     stdout, stderr, lock = [], [], threading.Lock()

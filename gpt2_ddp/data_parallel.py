@@ -193,10 +193,9 @@ class ZeRO2(DataParallel):
 
 
 class OptimizerOfViews:
-    """torch.optim's interface for `optimizer`, whose groups now hold another view of each of
-    `params` (the parameters it was built over, in its groups' order). state_dict() and
-    load_state_dict() turn the views' per-element state into whole tensors (whole()) and back
-    (view()), so that the state dicts are those of `optimizer` over `params`."""
+    """`optimizer`, whose groups now hold another view of each of `params` (those it was built over,
+    in order), with state_dict() and load_state_dict() turning the views' state into whole tensors
+    (whole()) and back (view()), as `optimizer` over `params` would give and take them."""
 
     def __init__(self, optimizer, params):
         self.optimizer, self.params = optimizer, params
@@ -219,8 +218,7 @@ class OptimizerOfViews:
 class ZeRO2Optimizer(OptimizerOfViews):
     """`optimizer` moved onto ZeRO2's slices, so its state is 1/world_size of ddp's. step() updates
     the slices and all-gathers them into every rank's whole parameters. step(), state_dict() and
-    load_state_dict() are collectives; the state dicts are in the inner optimizer's format with each
-    state tensor shaped as its parameter. Load the weights first: the slices are taken from them."""
+    load_state_dict() are collectives. Load the weights first: the slices are taken from them."""
 
     def __init__(self, optimizer, zero2):
         super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
@@ -265,8 +263,7 @@ class FSDP(DataParallel):
     """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f),
     with bf16 parameters on CUDA. The parameters become DTensors, each rank holding whole rows of
     dim 0. exact_reduction makes float64 the reduce dtype, in which unsynced gradients accumulate.
-    The model's state_dict() gives whole tensors (on rank 0 alone, on the CPU, as
-    torch.distributed.checkpoint's full state dict) and load_state_dict() takes them."""
+    The model's state_dict() and load_state_dict() give and take whole tensors (the hooks below)."""
 
     def __init__(self, model, config, device):
         # imported here: FSDP2 adds to every process's start-up, and only this mode uses it

@@ -13,11 +13,45 @@ import torch
 from conftest import ROOT, TINY, make_shards, read_log, run_training
 from gpt2_ddp import memory_plan
 from gpt2_ddp.configurator import UserError
-from scripts.memory_plan import main as memory_plan_main, measure
-from train_gpt2 import Config, load_config, memory_counts, meta_model
+from scripts.memory_plan import main as memory_plan_main
+from train_gpt2 import GPT, Config, load_config, memory_counts, meta_model
 
 SMALL = Config(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512, micro_batch_size=4,
                seq_len=128, sharding="ddp")
+
+
+def measure(config):
+    """Bytes of parameters, gradients, optimizer state and saved activations (each storage once,
+    parameters excluded), as a dict, after one training step of `config` on the CPU."""
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    idx = torch.randint(0, config.vocab_size, (config.micro_batch_size, config.seq_len))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+        if config.activation_checkpointing:  # one block as the backward recomputes it
+            x = torch.randn(config.micro_batch_size, config.seq_len, config.n_embd, requires_grad=True)
+            model.transformer.h[0](x)
+    loss.backward()
+    optimizer = model.configure_optimizers(config, "cpu")
+    optimizer.step()
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    logits = config.micro_batch_size * config.seq_len * config.vocab_size * 4  # log-softmax
+    return {"parameters": size(model.parameters()),
+            "gradients": size(p.grad for p in model.parameters()),
+            "optimizer state": size(state), "activations": sum(saved.values()) - logits}
 
 
 @pytest.mark.parametrize("checkpointing, optimizer", [(False, "adamw"), (True, "muon")])

@@ -86,12 +86,12 @@ def test_encoding_vocab_and_decode_round_trip():
     assert gpt2_encoding() is enc  # cached
 
 
-def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
-    data = bytearray(tokenizer.GPT2_RANKS_PATH.read_bytes())
+def test_tampered_tokenizer_file_is_refused(tmp_path, monkeypatch):
+    data = bytearray(tokenizer.GPT2_MERGES_PATH.read_bytes())
     data[100] ^= 1
-    tampered = tmp_path / "gpt2.tiktoken"
+    tampered = tmp_path / "vocab.bpe"
     tampered.write_bytes(data)
-    monkeypatch.setattr(tokenizer, "GPT2_RANKS_PATH", tampered)
+    monkeypatch.setattr(tokenizer, "GPT2_MERGES_PATH", tampered)
     gpt2_encoding.cache_clear()
     try:
         with pytest.raises(UserError) as exc:
@@ -103,8 +103,8 @@ def test_tampered_ranks_file_is_refused(tmp_path, monkeypatch):
         gpt2_encoding.cache_clear()
     message = str(exc.value)
     assert str(tampered) in message
-    assert tokenizer.GPT2_RANKS_SHA256 in message
-    assert "git" in message
+    assert tokenizer.GPT2_MERGES_SHA256 in message
+    assert "git checkout -- assets/vocab.bpe" in message
 
 
 # ---------------------------------------------------------------------------- shard format

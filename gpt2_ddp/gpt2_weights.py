@@ -1,7 +1,8 @@
 """
 GPT-2 weights in and out as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's on the hub, or a
 local directory) and our checkpoints into train_gpt2.py's GPT layout, and its state dicts out as
-Hugging Face directories that `transformers` loads offline (--init_from, scripts/export_hf.py).
+Hugging Face directories that `transformers` loads offline, with GPT-2's tokenizer files from
+assets/ (--init_from, scripts/export_hf.py).
 
 Hugging Face's GPT-2 differs only in keeping matmul weights in Conv1D modules, (in_features,
 out_features), the transpose of nn.Linear's, and holding the tied wte/lm_head matrix once.
@@ -17,7 +18,8 @@ import torch
 from gpt2_ddp import checkpoints
 from gpt2_ddp.atomic import new_file_mode
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.tokenizer import gpt2_encoding
+from gpt2_ddp.tokenizer import (GPT2_MERGES_PATH, GPT2_MERGES_SHA256, GPT2_VOCAB_PATH,
+                                GPT2_VOCAB_SHA256, checked)
 
 HUB_NAMES = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -172,60 +174,14 @@ def state_mismatch(state, expected):
     return "; ".join(p for p in problems if p)
 
 
-def bytes_to_unicode():
-    """GPT-2's map of the 256 byte values to printable characters, under which its vocab.json and
-    merges.txt spell tokens (openai/gpt-2, src/encoder.py)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-          *range(ord("\xae"), ord("\xff") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def tokenizer_files():
-    """(vocab, merges) for GPT-2's vocab.json and merges.txt, from tiktoken's ranks: vocab maps each
-    token, spelled by bytes_to_unicode, to its id (its rank; <|endoftext|> is 50256); merges lists
-    the 50000 merges in rank order as "a b", each pair found by BPE on the token's bytes with lower
-    ranks only, as tiktoken's educational converter does. Raises RuntimeError if that does not end
-    in exactly two parts."""
-    enc = gpt2_encoding()
-    ranks = enc._mergeable_ranks
-    byte_encoder = bytes_to_unicode()
-
-    def spell(token):
-        return "".join(byte_encoder[b] for b in token)
-
-    vocab, merges = {}, []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        vocab[spell(token)] = rank
-        if len(token) == 1:
-            continue
-        parts = [bytes([b]) for b in token]
-        while len(parts) > 2:
-            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
-            i = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
-            if pair_ranks[i] >= rank:
-                break
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) != 2:
-            raise RuntimeError(f"token {token!r} (rank {rank}) is not the merge of two tokens")
-        merges.append(f"{spell(parts[0])} {spell(parts[1])}")
-    vocab["<|endoftext|>"] = enc.eot_token
-    return vocab, merges
-
-
 def save_hf(model_state, config, out_dir):
     """Writes out_dir, a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained` and
     `GPT2TokenizerFast.from_pretrained` load offline, from a GPT's state dict and its
-    train_gpt2.Config. All config.vocab_size rows are kept (50304 with the padding), so logits are
+    train_gpt2.Config; vocab.json and merges.txt are copies of assets/encoder.json and
+    assets/vocab.bpe. All config.vocab_size rows are kept (50304 with the padding), so logits are
     ours exactly; bias=false models get zero biases. out_dir is whole or absent (a temporary
-    directory renamed). Raises UserError if out_dir exists and is not an empty directory, or cannot
-    be written."""
+    directory renamed). Raises UserError if out_dir exists and is not an empty directory, cannot
+    be written, or an asset's sha256 is not the expected one."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -247,7 +203,6 @@ def save_hf(model_state, config, out_dir):
         "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256,
         "tie_word_embeddings": True, "torch_dtype": "float32",
     }
-    vocab, merges = tokenizer_files()
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
                         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                         "unk_token": "<|endoftext|>", "add_prefix_space": False}
@@ -260,9 +215,8 @@ def save_hf(model_state, config, out_dir):
         # safetensors >= 0.8 writes through a tempfile of mode 0o600 (safetensors#782)
         os.chmod(tmp / "model.safetensors", new_file_mode())
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-        (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-        (tmp / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n",
-                                        encoding="utf-8")
+        shutil.copyfile(checked(GPT2_VOCAB_PATH, GPT2_VOCAB_SHA256), tmp / "vocab.json")
+        shutil.copyfile(checked(GPT2_MERGES_PATH, GPT2_MERGES_SHA256), tmp / "merges.txt")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
                                                    encoding="utf-8")
         if out_dir.exists():

@@ -16,8 +16,8 @@ from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
 from conftest import ROOT, make_shards, read_log, run_training, write_hellaswag
 from gpt2_ddp import checkpoints
-from gpt2_ddp.gpt2_weights import save_hf, tokenizer_files
-from gpt2_ddp.tokenizer import gpt2_encoding
+from gpt2_ddp.gpt2_weights import save_hf
+from gpt2_ddp.tokenizer import ASSETS_DIR, GPT2_MERGES_PATH, GPT2_VOCAB_PATH, gpt2_encoding
 from scripts import export_hf
 from train_gpt2 import GPT, Config, DataLoader, UserError, init_from, load_config
 
@@ -292,8 +292,18 @@ def test_a_missing_or_odd_tensor_is_one_line(hf_tiny, tmp_path, tensors, message
         GPT.from_pretrained(path)
 
 
-def test_tokenizer_files_hold_gpt2s_vocabulary_and_merges():
-    vocab, merges = tokenizer_files()
-    assert len(vocab) == 50257 and len(merges) == 50000
+def test_shipped_tokenizer_files_are_gpt2s():
+    """assets/encoder.json and vocab.bpe, which the export copies as vocab.json and merges.txt,
+    are GPT-2's vocabulary and merges, and the Encoding built from them is GPT-2's tokenizer."""
+    vocab = json.loads(GPT2_VOCAB_PATH.read_text(encoding="utf-8"))
+    assert len(vocab) == 50257 and sorted(vocab.values()) == list(range(50257))
     assert vocab["<|endoftext|>"] == 50256 and vocab["Ġthe"] == 262  # GPT-2's " the"
+    header, *merges = GPT2_MERGES_PATH.read_text(encoding="utf-8").splitlines()
+    assert header == "#version: 0.2" and len(merges) == 50000
+    assert all(len(merge.split(" ")) == 2 for merge in merges)
     assert merges[:3] == ["Ġ t", "Ġ a", "h e"]  # GPT-2's first merges
+    enc = gpt2_encoding()
+    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    text = (ASSETS_DIR / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tokens = enc.encode_ordinary(text)
+    assert len(tokens) == 338_025 and enc.decode(tokens) == text

@@ -5,7 +5,6 @@ any command with its output streamed.
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,16 +30,8 @@ def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=Non
 STOP_GRACE_S = 60  # how long a stopped child may take to end (a training run saves its last step)
 
 
-def send(child, signum, own_session):
-    """Sends signum to the child, or to its whole process group when it runs in a session of its own."""
-    if own_session:
-        os.killpg(child.pid, signum)
-    else:
-        child.send_signal(signum)
-
-
 @contextlib.contextmanager
-def stop_signals_end(child, own_session):
+def stop_signals_end(child):
     """While the block waits on child, SIGTERM or SIGINT to this process passes SIGTERM on to the
     child, waits up to STOP_GRACE_S for it to end (then kills it), and exits with 128 + the signal's
     number. Only the main thread can take signals: elsewhere it does nothing."""
@@ -54,7 +45,7 @@ def stop_signals_end(child, own_session):
             signal.signal(s, signal.SIG_IGN)
         print(f"{Path(sys.argv[0]).name}: stopped by {signal.Signals(signum).name}; ending the "
               f"command it runs", file=sys.stderr, flush=True)
-        send(child, signal.SIGTERM, own_session)
+        child.terminate()
         stopped.append(signum)
         raise SystemExit(128 + signum)  # out of the block's wait, which holds Popen's lock
 
@@ -66,7 +57,7 @@ def stop_signals_end(child, own_session):
             try:
                 child.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                send(child, signal.SIGKILL, own_session)
+                child.kill()
                 child.wait()
         raise
     finally:
@@ -74,13 +65,12 @@ def stop_signals_end(child, own_session):
             signal.signal(s, handler)
 
 
-def stream(cmd, on_line, timeout=None, env=None, own_session=False):
+def stream(cmd, on_line, timeout=None, env=None):
     """Runs cmd in the repo root, calling on_line(line, from_stdout) for each output line as it
     comes, one call at a time. Returns (exit code, or None when killed past `timeout` seconds;
-    stdout; stderr). own_session: it runs in a session of its own, and a timeout kills its whole
-    process group. A stop signal to this process ends the child first (stop_signals_end)."""
+    stdout; stderr). A stop signal to this process ends the child first (stop_signals_end)."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             cwd=ROOT, start_new_session=own_session)
+                             cwd=ROOT)
     stdout, stderr, lock = [], [], threading.Lock()
 
     def read(pipe, lines, from_stdout):
@@ -96,10 +86,10 @@ def stream(cmd, on_line, timeout=None, env=None, own_session=False):
     for reader in readers:
         reader.start()
     try:
-        with stop_signals_end(child, own_session):
+        with stop_signals_end(child):
             code = child.wait(timeout)
     except subprocess.TimeoutExpired:
-        send(child, signal.SIGKILL, own_session)
+        child.kill()
         child.wait()
         code = None
     for reader in readers:

@@ -23,7 +23,7 @@ import train_gpt2
 
 SCRIPTS = ["prepare_data", *(f"scripts.{name}" for name in (
     "hellaswag", "memory_plan", "bench", "bench_sample",
-    "check_equivalence", "export_hf", "plot", "sample", "timeline", "gpu_check"))]
+    "check_equivalence", "export_hf", "plot", "sample", "timeline"))]
 
 
 def test_hyphen_spellings_parse_as_the_underscore_options():

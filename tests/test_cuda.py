@@ -4,7 +4,7 @@ compile, fused AdamW, MFU, Muon, the KV-cache sampler) the test runs there too, 
 work before a GPU sees it; the CUDA-only ones (flash attention, NCCL, deterministic CUDA kernels,
 the memory plan against the CUDA allocator, CUDA checkpoints, bf16 against CPU float32) skip
 with the reason. On a GPU machine: `python -m pytest -q -rs tests/test_cuda.py`, or
-scripts/gpu_check.py, which runs them first.
+`bash .ci/gpu`, which runs them first.
 
 Tolerances: float32 on CPU agrees to 1e-4 relative; bfloat16 has 8 bits of mantissa (a relative
 rounding of 2**-9 = 2e-3 per operation), so bf16 results agree to 2e-2 relative.
@@ -43,7 +43,7 @@ def cuda(device, request):
     """device, for the tests of paths that exist on CUDA alone; they skip elsewhere."""
     if device.type != "cuda":
         pytest.skip(f"needs a CUDA GPU: {request.node.originalname} tests a path that exists on "
-                    f"CUDA alone (scripts/gpu_check.py runs it on a GPU machine)")
+                    f"CUDA alone (.ci/gpu runs it on a GPU machine)")
     return device
 
 

@@ -146,7 +146,7 @@ def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The embedded corpus's shards, made without `datasets` (GPU machines without a package index
-    lack it, and scripts/gpu_check.py makes its data there)."""
+    lack it, and .ci/gpu makes its data there)."""
     out_dir = tmp_path_factory.mktemp("tinyshakespeare")
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError

@@ -1,7 +1,13 @@
 """
-Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training: .txt files (one
-document each), .jsonl/.json or .parquet files (one document a row), or a Hugging Face hub dataset,
-streamed. docs/data.md shows how to run it; --help lists the options.
+Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training (docs/data.md):
+
+    python prepare_data.py                                   # assets/tinyshakespeare.txt
+    python prepare_data.py --input 'my_books/*.txt' --name books
+    python prepare_data.py --input corpus.jsonl --text_field content
+    python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT
+
+A .txt file is one document; .jsonl/.json and .parquet files hold one a row; a hub dataset is
+streamed.
 
 Each document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The first tokens
 form the val split, the rest train, never in one shard. Shards, in llm.c's .bin format, are named

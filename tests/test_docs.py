@@ -1,0 +1,130 @@
+"""README.md and docs/ against the code, so that they cannot drift: every relative link resolves
+(anchors included), every flag that a command in them passes is one its program takes, every
+repository path they name exists, and every example console line has the shape the training
+prints."""
+
+import dataclasses
+import importlib
+import re
+import shlex
+
+import pytest
+
+import prepare_data
+from conftest import ROOT, TINY, make_shards, run_training
+from train_gpt2 import Config
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+# scripts that pass the arguments they do not take on to train_gpt2.py
+PASS_ON = {"bench", "check_equivalence", "memory_plan"}
+OTHER_TOOLS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--rdzv-backend",
+               "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--no-python",  # torchrun's
+               "--index-url", "--durations", "--logdir",  # pip's, pytest's, TensorBoard's
+               "--key"}  # --key=value, the form of an override
+# the shapes of train_gpt2.py's console lines that the docs quote
+LINES = {
+    "train": r"step +\d+/\d+ \| loss: \d+\.\d{6} \| lr \d\.\d{4}e[-+]\d\d \| norm: \d+\.\d{4} \| "
+             r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)? \| eta \d+:\d\d:\d\d"
+             r"( \| update skipped: non-finite loss or gradient)?",
+    "eval": r"step +\d+ \| val loss \d+\.\d{4}",
+    "hellaswag": r"step +\d+ \| hellaswag acc_norm \d\.\d{4} \| acc \d\.\d{4} \| \d+ examples",
+    "sample": r"sample at step \d+: ['\"].*",  # the text's repr, abridged in the docs
+    "saved": r"saved \S+/ckpt_\d{7}\.pt",
+    "batch": r"world_size \d+ \| device \S+ \| total batch \d+ tokens = \d+ x \d+ x \d+ x \d+ grad "
+             r"accum steps",
+}
+
+
+def heading_anchors(doc):
+    """The anchors GitHub makes of a markdown file's headings: lower case, punctuation dropped,
+    spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCE.sub("", doc.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_resolves_anchors_included():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists() or (anchor and anchor not in heading_anchors(path)):
+                broken.append(f"{doc.name}: {target}")
+    assert broken == []
+
+
+def flags_of(main, capsys):
+    """The --options that a command-line entry point's --help lists as its own."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return set(re.findall(r"^  (?:-\w, )?(--[a-z_]+)", capsys.readouterr().out, re.M))
+
+
+def commands(doc):
+    """Each command of the doc's code blocks as a list of words: lines joined at a trailing
+    backslash, comments dropped, split at &&, ; and |."""
+    found = []
+    for block in FENCE.findall(doc.read_text()):
+        text = re.sub(r"\\\n\s*", " ", block.strip("`"))
+        for line in text.splitlines()[1:]:
+            line = re.sub(r"(^|\s)#.*", "", line)
+            for part in re.split(r"&&|;|\|", line):
+                try:
+                    found.append(shlex.split(part))
+                except ValueError:  # an example output line, not a command
+                    continue
+    return found
+
+
+def test_every_flag_the_docs_name_exists(capsys):
+    """In a documented command, each flag is one its program takes; anywhere else, one that some
+    program of the repository, or torchrun, pip, pytest or TensorBoard, takes."""
+    config_keys = {f"--{f.name}" for f in dataclasses.fields(Config)}
+    takes = {"train_gpt2.py": config_keys, "prepare_data.py": flags_of(prepare_data.main, capsys)}
+    for path in sorted((ROOT / "scripts").glob("[a-z]*.py")):
+        flags = flags_of(importlib.import_module(f"scripts.{path.stem}").main, capsys)
+        takes[f"scripts.{path.stem}"] = flags | (config_keys if path.stem in PASS_ON else set())
+    anywhere = set().union(*takes.values(), OTHER_TOOLS)
+    unknown = [f"{doc.name}: {flag}" for doc in DOCS
+               for flag in re.findall(r"(?<![\w-])--[a-zA-Z][\w-]*", doc.read_text())
+               if flag not in anywhere and "--" + flag[2:].replace("-", "_") not in anywhere]
+    for doc in DOCS:
+        for words in commands(doc):
+            program = next((i for i, w in enumerate(words) if w.split("/")[-1] in takes), None)
+            if program is None:
+                continue
+            flags = {"--" + w[2:].split("=")[0].replace("-", "_")
+                     for w in words[program + 1:] if w.startswith("--")}
+            unknown += [f"{doc.name}: {words[program]} {flag}" for flag in
+                        sorted(flags - takes[words[program].split("/")[-1]])]
+    assert unknown == []
+
+
+def test_every_repository_path_the_docs_name_exists():
+    named = set()
+    for doc in DOCS:
+        text = doc.read_text()
+        named |= set(re.findall(r"(?<![\w./-])((?:configs|scripts|gpt2_ddp|docs|tests|assets|\.ci)"
+                                r"/[\w./-]*\w)", text))
+        named |= {f"scripts/{name}.py" for name in re.findall(r"-m scripts\.([a-z_]+)\b", text)}
+    missing = [path for path in sorted(named) if not (ROOT / path).exists()]
+    assert missing == []
+
+
+def test_the_docs_console_lines_have_the_shape_the_training_prints(tmp_path):
+    """A run that prints each kind of line matches the shapes, and so does every line of that kind
+    that a doc's example output shows."""
+    make_shards(tmp_path / "data")
+    proc = run_training([*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                         "--max_steps=2", "--total_batch_size=64", "--sample_interval=2",
+                         "--vocab_size=50304"])
+    printed = {kind: [line for line in proc.stdout.splitlines() if re.fullmatch(shape, line)]
+               for kind, shape in LINES.items() if kind != "hellaswag"}
+    assert all(printed.values()), proc.stdout
+    quoted = [line for doc in DOCS for block in FENCE.findall(doc.read_text())
+              for line in block.splitlines() if re.match(r"(step|sample at step|saved|world_size) ", line)]
+    assert quoted and [line for line in quoted
+                       if not any(re.fullmatch(shape, line) for shape in LINES.values())] == []

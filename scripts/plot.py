@@ -90,7 +90,7 @@ def plot(runs, out):
         if not ax.lines:
             ax.text(0.5, 0.5, f"no {key} in these logs", ha="center", va="center",
                     transform=ax.transAxes, color="gray")
-        if key == "hellaswag_acc_norm":
+        elif key == "hellaswag_acc_norm":  # the references only beside data
             for (name, value), style in zip(REFERENCES.items(), ("--", ":")):
                 ax.axhline(value, color="gray", linestyle=style, label=f"{name} ({value})")
         if ax.get_legend_handles_labels()[0]:

@@ -184,3 +184,15 @@ def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):
     with pytest.raises(UserError, match=f"^--path {tmp_path} is a directory: pass the validation "
                                         f"jsonl's path$"):
         hellaswag.main(["gpt2", "--path", str(tmp_path), "--device", "cpu"])
+
+
+def test_the_hellaswag_references_are_drawn_beside_data_only(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+    steps = [{"step": 1, "loss": 3.0}]
+    plot.plot({"run": steps}, tmp_path / "plot.png")
+    plot.plot({"run": [*steps, {"step": 1, "hellaswag_acc_norm": 0.3}]}, tmp_path / "plot.png")
+    panels = [fig.axes[[title for title, _, _ in plot.PANELS].index("HellaSwag acc_norm")]
+              for fig in figures]
+    assert len(panels[0].lines) == 0
+    assert len(panels[1].lines) == 3  # the run's and GPT-2's and GPT-3's references

@@ -34,8 +34,8 @@ def main(argv):
           f"parameters; {args.world_size} ranks of {args.device}, micro_batch_size "
           f"{config.micro_batch_size}, seq_len {config.seq_len}")
     unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
-    print(f"{'per rank':<14}" + "".join(f"{k:>14}" for k in parts))
-    print(f"{'planned ' + unit:<14}" + "".join(f"{v / scale:>14.2f}" for v in parts.values()))
+    print(f"{'per rank':<14}" + "".join(f"{k:>16}" for k in parts))
+    print(f"{'planned ' + unit:<14}" + "".join(f"{v / scale:>16.2f}" for v in parts.values()))
     print(f"\nlargest micro_batch_size in {args.gpu_memory:g} GB (90% usable), by sharding and "
           f"activation checkpointing:")
     print(f"{'sharding':<10}{'off':>8}{'on':>8}")

@@ -109,6 +109,7 @@ def test_script_prints_the_plan_and_what_fits():
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("48 layers, n_embd 1600: 1558M parameters; 8 ranks of cuda")
     assert lines[1].split()[-1] == "total" and lines[2].startswith("planned GB")
+    assert lines[1].split()[3:6] == ["gradients", "optimizer", "state"]  # the headers kept apart
     assert [line.split()[0] for line in lines[-3:]] == ["ddp", "zero2", "fsdp"]
 
 

@@ -407,8 +407,11 @@ def _sources(args, files, reader):
     # _read_error() reports parse errors in one line, which datasets' logger would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if args.dataset:
-        return [(args.dataset, partial(_dataset_rows, args.dataset, load_dataset(
-            args.dataset, args.dataset_config, split=args.split, streaming=True)))]
+        try:  # offline, say, or a name the hub does not hold
+            dataset = load_dataset(args.dataset, args.dataset_config, split=args.split, streaming=True)
+        except Exception as e:
+            raise _read_error(args.dataset, e) from None
+        return [(args.dataset, partial(_dataset_rows, args.dataset, dataset))]
     sources = []
     for f in files:
         # the parquet builder crashes on zero-byte files, which hold no documents

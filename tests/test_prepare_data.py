@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import ROOT
 from gpt2_ddp import tokenizer
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
@@ -624,3 +625,14 @@ def test_an_input_that_is_not_a_file_or_is_matched_twice_is_named(tmp_path):
         with pytest.raises(UserError, match=f"^{message}"):
             run("--input", *[tmp_path / i for i in inputs], "--output_dir", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
+    """What an offline machine gets from scripts/prepare_fineweb_edu.sh (HF_HUB_OFFLINE makes the
+    hub's refusal immediate instead of after its retries)."""
+    proc = subprocess.run([sys.executable, "prepare_data.py", "--dataset", "HuggingFaceFW/fineweb-edu",
+                           "--dataset_config", "sample-10BT", "--output_dir", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert re.fullmatch(r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: Couldn't reach "
+                        r"'HuggingFaceFW/fineweb-edu' on the Hub \(\w+\)\n", proc.stderr), proc.stderr

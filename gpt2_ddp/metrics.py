@@ -141,9 +141,11 @@ class Metrics:
         self.flops_per_step, self.start_step = flops_per_step, start_step
         self.peak = config.peak_flops or peak_flops(device)
         self.dt_avg = 0.0  # seconds per step, for the ETA
-        if self.peak is None:
+        if self.peak is None and device.type != "cpu":
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
+        elif self.peak is None:  # a CPU's peak would be a guess that no one can act on
+            log("MFU not reported on cpu: it is measured against a GPU's peak FLOP/s")
         self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []
         # a run that an exception ends before close() still flushes its sinks, as a failed run's
         self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)

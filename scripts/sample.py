@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2_ddp import configurator
+from gpt2_ddp import checkpoints, configurator
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.device import named_device
 from gpt2_ddp.gpt2_weights import SOURCES
@@ -83,6 +83,8 @@ def main(argv):
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
     model = GPT.from_pretrained(args.source, device).use_decoding_layout()
+    # on stderr, so that stdout holds the samples alone
+    print(f"sampling from {checkpoints.resolve(args.source) or args.source}", file=sys.stderr)
     if args.compile:
         model.compile()  # compiles the forward that generate() calls
     enc = gpt2_encoding()

@@ -47,6 +47,7 @@ def test_the_script_prints_what_the_function_draws(hf_tiny):
                            "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == f"sampling from {hf_tiny}\n"  # stdout holds the samples alone
     model = GPT.from_pretrained(hf_tiny)
     generator = torch.Generator().manual_seed(7)
     expected = io.StringIO()

@@ -407,20 +407,17 @@ def _sources(args, files, reader):
     # _read_error() reports parse errors in one line, which datasets' logger would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if args.dataset:
-        try:  # offline, say, or a name the hub does not hold
-            dataset = load_dataset(args.dataset, args.dataset_config, split=args.split, streaming=True)
-        except Exception as e:
-            raise _read_error(args.dataset, e) from None
-        return [(args.dataset, partial(_dataset_rows, args.dataset, dataset))]
+        wanted = [(args.dataset, dict(path=args.dataset, name=args.dataset_config, split=args.split))]
+    else:  # the parquet builder crashes on zero-byte files, which hold no documents
+        wanted = [(f, dict(path=reader, data_files=f, split="train")) for f in files
+                  if os.path.getsize(f) > 0]
     sources = []
-    for f in files:
-        # the parquet builder crashes on zero-byte files, which hold no documents
-        if os.path.getsize(f) > 0:
-            try:
-                dataset = load_dataset(reader, data_files=f, split="train", streaming=True)
-            except Exception as e:
-                raise _read_error(f, e) from None
-            sources.append((f, partial(_dataset_rows, f, dataset)))
+    for where, kwargs in wanted:
+        try:  # a hub out of reach, a name it does not hold, a file that does not parse
+            dataset = load_dataset(**kwargs, streaming=True)
+        except Exception as e:
+            raise _read_error(where, e) from None
+        sources.append((where, partial(_dataset_rows, where, dataset)))
     return sources
 
 

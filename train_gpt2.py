@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import destroy_process_group, init_process_group
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
@@ -981,7 +982,7 @@ if __name__ == "__main__":
                                    + "\n".join(configurator.help_lines(Config)))
         sys.exit(0)
     try:
-        configurator.run(main, "train_gpt2.py")
+        configurator.run(record(main), "train_gpt2.py")  # torchrun's summary shows a crash's traceback
     except KeyboardInterrupt:  # Ctrl-C before the training loop, which handles it itself
         print("train_gpt2.py: interrupted before training began; nothing to save", file=sys.stderr)
         sys.exit(130)

@@ -1,6 +1,6 @@
 """
 Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py: a TOML
-file, then --key=value overrides, each cast to the dataclass field's type and checked against its
+file, then --key=value (or --key value) overrides, each cast to the dataclass field's type and checked against its
 rule; and --help text from the comment on each field's line. The scripts parse their command lines
 with ArgumentParser, so options are spelled as config keys are. Every mistake is a UserError.
 """
@@ -29,13 +29,24 @@ class UserError(Exception):
     """Bad input (config, data, checkpoint): printed as one line that says how to fix it."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's line breaks and shows each option's default, but for a
+    default of None or False (an option that is off unless given) or one its help names."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse.ArgumentParser for the scripts: options answer to --out_dir and --out-dir (not
-    shown), the description keeps its line breaks, and abbreviations are off, as scripts that pass
-    unknown arguments on to train_gpt2.py would take --micro_batch_size=4 for --micro_batch_sizes."""
+    shown), --help shows the defaults (HelpFormatter), and abbreviations are off, as scripts that
+    pass unknown arguments on to train_gpt2.py would take --micro_batch_size=4 for
+    --micro_batch_sizes."""
 
     def __init__(self, *args, description=None, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)
         if description:
             description = textwrap.dedent(description).strip("\n")
@@ -72,14 +83,21 @@ def run(main, script):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
     ends it with the one line `{script}: error: {message}` on stderr and exit status 1. Under
     torchrun's agent only rank 0 prints it at once: the other ranks, which meet the same error, wait
-    up to RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not."""
+    up to RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not. The line
+    also goes where torch's `record` writes a traceback (the file TORCHELASTIC_ERROR_FILE names), so
+    that torchrun's failure summary ends with it as the root cause."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
+        line = f"{script}: error: {e}"
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # in the format of record's file, not a traceback
+            info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
+                json.dumps({"message": {"message": line, "extraInfo": info}}))
         if os.environ.get("RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the training loop's handler defers it
             time.sleep(RANK_ERROR_WAIT_S)
-        sys.exit(f"{script}: error: {e}")
+        sys.exit(line)
 
 
 def cast_value(key, raw, typ):
@@ -107,7 +125,7 @@ def cast_value(key, raw, typ):
 
 
 def load_config(argv, config_class, rules):
-    """Builds a config_class from `[CONFIG.toml] [--key=value ...]`. `rules` maps keys to (a
+    """Builds a config_class from `[CONFIG.toml] [--key=value | --key value ...]`. `rules` maps keys to (a
     predicate or a tuple of allowed values, the rule in words). Raises UserError for a missing or
     malformed config file, an unknown key, a value of the wrong type or against its rule, or a
     malformed argument."""
@@ -124,9 +142,12 @@ def load_config(argv, config_class, rules):
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"config file {path} is not valid TOML: {e}") from None
         argv = argv[1:]
-    for arg in argv:
+    while argv:
+        arg, argv = argv[0], argv[1:]
+        if "=" not in arg and argv and not argv[0].startswith("--"):  # --key value, as argparse's
+            arg, argv = f"{arg}={argv[0]}", argv[1:]
         if not arg.startswith("--") or "=" not in arg:
-            raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value")
+            raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value or --key value")
         key, raw = arg[2:].split("=", 1)
         values[key.replace("-", "_")] = raw  # --max-steps, as the scripts' options allow
     kwargs = {}

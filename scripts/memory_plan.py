@@ -19,9 +19,10 @@ SHARDINGS = ("ddp", "zero2", "fsdp")
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1],
                                          usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
-    parser.add_argument("--world_size", type=int, default=8)
-    parser.add_argument("--gpu_memory", type=float, default=80, help="GB per GPU (default 80)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--world_size", type=int, default=8, help="ranks the model is sharded over")
+    parser.add_argument("--gpu_memory", type=float, default=80, help="GB per GPU")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda plans bf16 activations, cpu float32 ones")
     args, config_args = parser.parse_known_args(argv)
     if args.world_size < 1:
         parser.error(f"--world_size must be >= 1, got {args.world_size}")

@@ -55,12 +55,12 @@ def main(argv):
     parser.add_argument("--prompt", default="\n",
                         help="text to continue (default: a newline; empty: from <|endoftext|>)")
     parser.add_argument("--prompt_file", help="read the prompt from this file instead")
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--num_samples", type=int, default=1, help="samples, each from the prompt")
+    parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens drawn per sample")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="< 1 makes likely tokens likelier, > 1 flattens the distribution")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337, help="the same seed draws the same samples")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model, meant for CUDA: one graph for the prompt's "
                         "prefill, one for the one-token decode step at any position (the first "

@@ -66,6 +66,21 @@ def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, 
     assert all(line.strip() in source for line in out.split("\n\n")[1].splitlines()), out
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_says_what_every_option_does_and_its_default(name, monkeypatch):
+    """A default of None or False (off unless given) goes unsaid; any other shows in --help."""
+    parsers = []
+    monkeypatch.setattr(configurator.ArgumentParser, "print_help",
+                        lambda self, file=None: parsers.append(self) or sys.exit(0))
+    with pytest.raises(SystemExit):
+        importlib.import_module(name).main(["--help"])
+    formatter = parsers[0]._get_formatter()
+    for action in parsers[0]._actions[1:]:  # after --help
+        assert action.help, action.option_strings
+        if action.default is not None and action.default is not False:
+            assert "default" in formatter._get_help_string(action), action.option_strings
+
+
 @pytest.mark.parametrize("name", ["train_gpt2", *SCRIPTS])
 def test_docstrings_hold_no_line_continued_by_a_backslash(name):
     """A backslash at a line's end in a plain docstring joins the lines, indentation and all,

@@ -559,8 +559,9 @@ def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_
                                f"--data_dir={good_run / 'data'}", *bad],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0
-        assert [line for line in proc.stderr.splitlines() if "error:" in line] == [
-            f"train_gpt2.py: error: {message}"]
+        lines = proc.stderr.splitlines()
+        assert {line.split("error: ", 1)[1] for line in lines if "error:" in line} == {message}
+        assert lines[-2] == f"  traceback : train_gpt2.py: error: {message}"  # the summary's root cause
         assert 'train_gpt2.py", line' not in proc.stderr  # no worker's traceback; torchrun's is its own
 
 

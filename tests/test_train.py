@@ -24,8 +24,8 @@ import train_gpt2
 def test_overrides_cast_to_field_types(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('n_layer = 3\nmax_lr = 1\ncompile = false\ndata_dir = "d"\n')
-    config = load_config([str(toml), "--max_steps=1e4", "--max_lr=3e-4", "--compile=true"])
-    assert config.max_steps == 10000 and isinstance(config.max_steps, int)
+    config = load_config([str(toml), "--max_steps=1e4", "--max_lr", "3e-4", "--compile=true", "--seed", "-2"])
+    assert config.max_steps == 10000 and isinstance(config.max_steps, int) and config.seed == -2
     assert config.max_lr == 3e-4 and config.compile is True
     assert config.n_layer == 3 and config.data_dir == "d"
 
@@ -35,7 +35,8 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--micro_batchsize=8"], "did you mean 'micro_batch_size'"),
     (["--max_steps=1.5"], "cannot read '1.5' as int"),
     (["--compile=maybe"], "cannot read 'maybe' as bool"),
-    (["--max_steps", "10"], "write overrides as --key=value"),
+    (["--max_steps"], "write overrides as --key=value or --key value"),
+    (["--max_steps", "10", "20"], "cannot parse argument '20'"),
     (["no_such_config.toml"], "config file no_such_config.toml not found"),
     (["--resume=sometimes"], "'resume' must be auto or never, got 'sometimes'"),
     (["--exact_reduction=true", "--grad_compression=bf16"], "turn one of them off"),

@@ -39,24 +39,20 @@ VARIANTS = {
 }
 
 
-def parse_variant(spec):
-    """(name, overrides) of 'name' or 'name:--key=value,...'. Raises UserError for an unknown name."""
-    name, _, overrides = spec.partition(":")
-    if overrides:
-        return name, overrides.split(",")
-    if name not in VARIANTS:
-        raise UserError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}, "
-                        f"or write name:--key=value,...")
-    return name, VARIANTS[name]
-
-
 def plan(specs, micro_batch_sizes):
-    """(name, overrides) of each variant and micro-batch size. Raises UserError for an unknown
-    variant, a name that is not a plain directory name or is repeated, or a micro-batch size below 1."""
+    """(name, overrides) of each variant ('name' or 'name:--key=value,...') and micro-batch size.
+    Raises UserError for an unknown variant, a name that is not a plain directory name or is
+    repeated, or a micro-batch size below 1."""
     if min(micro_batch_sizes, default=1) < 1:
         raise UserError(f"--micro_batch_sizes must be >= 1, not {min(micro_batch_sizes)}")
-    variants = ([parse_variant(spec) for spec in specs]
-                + [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes])
+    variants = []
+    for spec in specs:
+        name, _, overrides = spec.partition(":")
+        if not overrides and name not in VARIANTS:
+            raise UserError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}, "
+                            f"or write name:--key=value,...")
+        variants.append((name, overrides.split(",") if overrides else VARIANTS[name]))
+    variants += [(f"B={b}", [f"--micro_batch_size={b}"]) for b in micro_batch_sizes]
     names = [name for name, _ in variants]
     for name in names:
         if name in ("", ".", "..") or Path(name).name != name:
@@ -74,16 +70,6 @@ MARKER = ".made_by_bench"
 def made_here(out):
     """Whether the directory out is a variant's run that bench.py made (and so may replace)."""
     return out.is_dir() and not out.is_symlink() and (out / MARKER).is_file()
-
-
-def check_out_dirs(names, out_dir):
-    """Raises UserError for an {out_dir}/{name} that exists and is not a run bench.py made, before
-    any variant trains: bench.py replaces only its own."""
-    for name in names:
-        out = Path(out_dir) / name
-        if (out.exists() or out.is_symlink()) and not made_here(out):
-            raise UserError(f"{out} exists and was not made by bench.py, which writes each variant's "
-                            f"run there; pass another --out_dir or move it away")
 
 
 def run(name, overrides, args, train_args):
@@ -151,17 +137,16 @@ def comm_bytes(events):
 
 def summarize(records, trace_path):
     timed = [r for r in records if "loss" in r and r["step"] > UNTIMED_STEPS]
-    row = {
+    events = json.load(open(trace_path))["traceEvents"]
+    return {
         "optimizer_state_mb": records[0]["optimizer_state_bytes"] / 2**20,
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
         "ms_per_step": statistics.median(r["dt_ms"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
         "mem_gb": max(r["mem_gb"] for r in timed) if "mem_gb" in timed[0] else None,
+        **time_split(events),
+        "comm_mb": comm_bytes(events) / 2**20,
     }
-    events = json.load(open(trace_path))["traceEvents"]
-    row.update(time_split(events))
-    row["comm_mb"] = comm_bytes(events) / 2**20
-    return row
 
 
 def print_table(rows):
@@ -196,10 +181,12 @@ def main(argv):
     if min(args.nproc, args.steps) < 1:
         parser.error("--nproc and --steps must be >= 1")
     variants = plan(args.variants, args.micro_batch_sizes)
-    check_out_dirs([name for name, _ in variants], args.out_dir)
-    rows = {}
-    for name, overrides in variants:
-        rows[name] = summarize(*run(name, overrides, args, train_args))
+    for name, _ in variants:  # before any variant trains: bench.py replaces only its own runs
+        out = Path(args.out_dir) / name
+        if (out.exists() or out.is_symlink()) and not made_here(out):
+            raise UserError(f"{out} exists and was not made by bench.py, which writes each variant's "
+                            f"run there; pass another --out_dir or move it away")
+    rows = {name: summarize(*run(name, overrides, args, train_args)) for name, overrides in variants}
     print_table(rows)
 
 

@@ -70,6 +70,7 @@ def plot(runs, out):
     """Draws `runs` ({label: records}) into the PNG `out`. Raises UserError without matplotlib."""
     plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
+    loss_ranges = []  # each run's lowest loss and train loss's 95th percentile: its first steps lie above
     for ax, (title, key, scale) in zip(axes.flat, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -84,9 +85,17 @@ def plot(runs, out):
                 ax.plot(steps, smooth(values), color=color, label=f"{label} train (smoothed)")
                 val_steps, val = series(records, "val_loss")
                 ax.plot(val_steps, val, "o--", color=color, markersize=3, label=f"{label} val")
+                finite = values[np.isfinite(values)]
+                if finite.size:
+                    loss_ranges.append((min(finite.min(), np.nanmin(val, initial=np.inf)),
+                                        np.percentile(finite, 95)))
             elif len(steps):
                 ax.plot(steps, values, color=color, marker="o" if len(steps) < 50 else None,
                         markersize=3, label=label)
+        if loss_ranges and key == "loss":  # the first steps' fall would squeeze the rest to the bottom
+            low, top = min(r[0] for r in loss_ranges), max(r[1] for r in loss_ranges)
+            span = (top - low) or 1.0
+            ax.set_ylim(low - 0.05 * span, top + 0.2 * span)
         if not ax.lines:
             ax.text(0.5, 0.5, f"no {key} in these logs", ha="center", va="center",
                     transform=ax.transAxes, color="gray")

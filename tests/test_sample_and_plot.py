@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,3 +198,15 @@ def test_the_hellaswag_references_are_drawn_beside_data_only(tmp_path, monkeypat
               for fig in figures]
     assert len(panels[0].lines) == 0
     assert len(panels[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
+
+
+def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
+    """A run whose loss falls from 11 to 6 in its first steps and then to 5: the axis shows 5 to 6,
+    not 11, and the first steps' curve runs off its top."""
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+    losses = [11.0 - i for i in range(5)] + list(np.linspace(6.0, 5.0, 195))
+    plot.plot({"run": [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]},
+              tmp_path / "plot.png")
+    low, high = figures[0].axes[0].get_ylim()
+    assert 4.8 < low < 5.0 and 6.0 < high < 6.5

@@ -53,6 +53,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 from gpt2_ddp import checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan
 from gpt2_ddp.collectives import (Stopped, agreed, all_reduce_max, catch_stop_signals, torchrun_env,
@@ -110,7 +111,7 @@ class Config:
     eval_interval: int = 250  # val loss every N steps
     val_batches: int = 160  # micro-batches of val data per eval, split over ranks (10M tokens)
     sample_interval: int = 250  # a printed sample every N steps
-    sample_prompt: str = "Hello, I'm a language model,"  # what the samples continue
+    sample_prompt: str = ""  # what the samples continue; empty: <|endoftext|>, which suits any data
     sample_tokens: int = 32  # tokens per sample
     hellaswag_interval: int = 0  # HellaSwag accuracy every N steps
     hellaswag_examples: int = 0  # the first N of the file; 0 takes all (10042 in the val split)
@@ -738,8 +739,9 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=Non
     model.eval()
     total = torch.zeros(2, device=device, dtype=sum_dtype)  # sum of losses, number of batches
     # every rank runs as many batches (FSDP's all-gathers pair up); those past val_batches weigh 0
+    batches = range(rank, math.ceil(val_batches / world_size) * world_size, world_size)
     with torch.no_grad():
-        for g in range(rank, math.ceil(val_batches / world_size) * world_size, world_size):
+        for g in tqdm(batches, "val loss", leave=False, disable=rank > 0 or None):  # rank 0's terminal
             if check_stop:
                 check_stop()
             x, y = val_loader.get_batch(g)
@@ -817,6 +819,8 @@ def parallelize(raw_model, config, device):
     gpt2_ddp/data_parallel.py, which present DDP's and torch.optim's interfaces and clip by their
     own norm where torch's would be wrong (sliced gradients, float64 sums)."""
     optimizer = raw_model.configure_optimizers(config, device.type)
+    if config.compile:
+        log("torch.compile: the first step waits while the model compiles")
     if config.sharding != "ddp" or config.exact_reduction:
         model, optimizer = data_parallel.wrap(raw_model, optimizer, config, device)
         return model, optimizer, model.clip_grad_norm_

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from tqdm import tqdm
 
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.collectives import agreed
@@ -30,7 +31,6 @@ VAL_EXAMPLES = 10042
 def download(path):
     """Downloads the validation split to `path`, atomically, and checks it holds VAL_EXAMPLES
     lines. Raises UserError when that fails, naming the URL and where to put the file by hand."""
-    from tqdm import tqdm
     path = Path(path)
 
     def write(f):
@@ -158,7 +158,8 @@ def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check
     loop's raises to stop). Leaves the model in eval mode."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
-    for i in range(rank, math.ceil(len(examples) / world_size) * world_size, world_size):
+    indices = range(rank, math.ceil(len(examples) / world_size) * world_size, world_size)
+    for i in tqdm(indices, "hellaswag", leave=False, disable=rank > 0 or None):  # rank 0's terminal
         if check_stop:
             check_stop()
         tokens, mask, label = examples[min(i, len(examples) - 1)]

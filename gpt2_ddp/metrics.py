@@ -141,6 +141,7 @@ class Metrics:
         self.flops_per_step, self.start_step = flops_per_step, start_step
         self.peak = config.peak_flops or peak_flops(device)
         self.dt_avg = 0.0  # seconds per step, for the ETA
+        self.loss_avg = None  # the running mean of the train loss, for spikes
         if self.peak is None and device.type != "cpu":
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
@@ -171,10 +172,13 @@ class Metrics:
     def train_step(self, step, loss, lr, norm, dt, skipped, optimizer):
         """Reports the step-th update (counted from 1, as its checkpoint): loss (the mean over its
         micro-batches), lr, norm (the gradient's before clipping), dt (seconds), whether the
-        update was skipped, and in this run's first the bytes of optimizer state this rank holds."""
+        update was skipped, and in this run's first the bytes of optimizer state this rank holds.
+        A loss over a nat above the running mean (e times its perplexity) gets a line of its own."""
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
+        if self.config.optimizer == "muon":  # Muon's groups have lr_scale = muon_lr / max_lr
+            record["muon_lr"] = lr * self.config.muon_lr / self.config.max_lr if self.config.max_lr else 0.0
         if skipped:
             record["skipped"] = True
         if self.peak:
@@ -186,8 +190,13 @@ class Metrics:
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
         self.dt_avg = dt if step <= self.start_step + 2 else 0.9 * self.dt_avg + 0.1 * dt
         eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))
-        log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e} | norm: "
-            f"{norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
+        log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e}"
+            + (f" | muon_lr {record['muon_lr']:.4e}" if "muon_lr" in record else "")
+            + f" | norm: {norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
             + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "") + f" | eta {eta}"
             + (" | update skipped: non-finite loss or gradient" if skipped else ""))
+        if not skipped:
+            if self.loss_avg is not None and loss > self.loss_avg + 1:
+                log(f"step {step:5d} | loss spike: {loss:.6f}, the running mean is {self.loss_avg:.6f}")
+            self.loss_avg = loss if self.loss_avg is None else 0.9 * self.loss_avg + 0.1 * loss
         self.write(record)

@@ -24,7 +24,8 @@ OTHER_TOOLS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "-
                "--key"}  # --key=value, the form of an override
 # the shapes of train_gpt2.py's console lines that the docs quote
 LINES = {
-    "train": r"step +\d+/\d+ \| loss: \d+\.\d{6} \| lr \d\.\d{4}e[-+]\d\d \| norm: \d+\.\d{4} \| "
+    "train": r"step +\d+/\d+ \| loss: \d+\.\d{6} \| lr \d\.\d{4}e[-+]\d\d( \| muon_lr \d\.\d{4}e[-+]\d\d)? \| "
+             r"norm: \d+\.\d{4} \| "
              r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)? \| eta \d+:\d\d:\d\d"
              r"( \| update skipped: non-finite loss or gradient)?",
     "eval": r"step +\d+ \| val loss \d+\.\d{4}",

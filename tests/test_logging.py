@@ -2,16 +2,22 @@
 and one line when their package is missing; the peak_flops key."""
 
 import dataclasses
+import fcntl
 import gc
 import json
+import os
+import pty
+import struct
+import subprocess
 import sys
+import termios
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, run_training, write_hellaswag
+from conftest import ROOT, TINY, run_training, write_hellaswag
 from gpt2_ddp import runs
 from train_gpt2 import GPT, UserError, load_config
 import train_gpt2
@@ -204,3 +210,46 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
         train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
                           "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
     assert not (tmp_path / "wandb_run_id").exists()
+
+
+def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(capsys):
+    """A loss over a nat above the running mean is named with its step; the mean's own noise and
+    a skipped (non-finite) step are not. Under optimizer=muon each step says Muon's lr too."""
+    config = load_config(["--optimizer=muon", "--max_lr=1e-3", "--muon_lr=0.02", "--max_steps=8"])
+    metrics = train_gpt2.Metrics(None, config, 1, torch.device("cpu"), 1.0, 0)
+    for step, loss in enumerate([6.0, 6.5, 5.9, 6.0, float("inf"), 7.2, 6.1], start=1):
+        metrics.train_step(step, loss, 1e-3, 1.0, 0.1, not np.isfinite(loss),
+                           types.SimpleNamespace(state={}))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "spike" in line] == [
+        "step     6 | loss spike: 7.200000, the running mean is 6.031500"]
+    assert all("| lr 1.0000e-03 | muon_lr 2.0000e-02 |" in line for line in lines if "/8" in line)
+
+
+
+def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data):
+    """On a terminal (a pty of 120 columns) rank 0 shows a bar while the val loss and HellaSwag
+    run; with output to a file or pipe, as in run_training, the lines stay clean."""
+    write_hellaswag(tmp_path / "hellaswag.jsonl", 3)
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'out'}", "--max_steps=1",
+            "--total_batch_size=32", "--hellaswag_interval=1",
+            f"--hellaswag_path={tmp_path / 'hellaswag.jsonl'}"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # Linux's answer once the process has closed its side
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, output
+    assert b"val loss:   0%" in output and b"hellaswag:   0%" in output, output
+    plain = run_training([*args, f"--out_dir={tmp_path / 'plain'}"])
+    assert "%|" not in plain.stdout + plain.stderr

@@ -1,8 +1,9 @@
 """
 Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py: a TOML
-file, then --key=value (or --key value) overrides, each cast to the dataclass field's type and checked against its
-rule; and --help text from the comment on each field's line. The scripts parse their command lines
-with ArgumentParser, so options are spelled as config keys are. Every mistake is a UserError.
+file, then --key=value (or --key value) overrides, each cast to the dataclass field's type and
+checked against its rule; and --help text from the comment on each field's line. The scripts parse
+their command lines with ArgumentParser, so options are spelled as config keys are. Every mistake
+is a UserError.
 """
 
 import argparse

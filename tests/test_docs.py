@@ -104,6 +104,15 @@ def test_every_flag_the_docs_name_exists(capsys):
     assert unknown == []
 
 
+def test_every_config_key_the_docs_set_exists():
+    """`key=value` in a doc's inline code, a code call's keyword arguments and pip's aside."""
+    keys = {f.name for f in dataclasses.fields(Config)}
+    unknown = [f"{doc.name}: {span}" for doc in DOCS for span in re.findall(r"`([^`\n]+)`", doc.read_text())
+               if "(" not in span and not span.startswith("pip ")
+               for key in re.findall(r"(?<![\w.-])([a-z]\w*)=", span) if key not in keys]
+    assert unknown == []
+
+
 def test_every_repository_path_the_docs_name_exists():
     named = set()
     for doc in DOCS:

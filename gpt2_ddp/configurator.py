@@ -32,10 +32,10 @@ class UserError(Exception):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the description's line breaks and shows each option's default, but for a
-    default of None or False (an option that is off unless given) or one its help names."""
+    default of None, False or [] (an option that is off unless given) or one its help names."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in action.help:
+        if action.default in (None, []) or action.default is False or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
 

@@ -68,7 +68,7 @@ def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_says_what_every_option_does_and_its_default(name, monkeypatch):
-    """A default of None or False (off unless given) goes unsaid; any other shows in --help."""
+    """A default of None, False or [] (off unless given) goes unsaid; any other shows in --help."""
     parsers = []
     monkeypatch.setattr(configurator.ArgumentParser, "print_help",
                         lambda self, file=None: parsers.append(self) or sys.exit(0))
@@ -77,7 +77,7 @@ def test_help_says_what_every_option_does_and_its_default(name, monkeypatch):
     formatter = parsers[0]._get_formatter()
     for action in parsers[0]._actions[1:]:  # after --help
         assert action.help, action.option_strings
-        if action.default is not None and action.default is not False:
+        if action.default is not None and action.default is not False and action.default != []:
             assert "default" in formatter._get_help_string(action), action.option_strings
 
 

@@ -38,10 +38,9 @@ def wrap(model, optimizer, config, device):
 
 
 def clip_grad_norm(grads, max_norm, sharded):
-    """Scales grads in place to a total 2-norm of at most max_norm, as torch.nn.utils.clip_grad_norm_
-    (coefficient max_norm / (norm + 1e-6), at most 1). Returns the norm before clipping, a float32
-    scalar tensor. Squares are summed in float64, and over ranks (a collective) when the grads are
-    `sharded`, so the norm does not depend on how tensors, slices and ranks split the gradient."""
+    """Scales grads in place to a total 2-norm of at most max_norm, as torch.nn.utils.clip_grad_norm_;
+    returns the norm before clipping, a float32 scalar tensor. Squares are summed in float64, and
+    over ranks (a collective) when the grads are `sharded`, so no split of the gradient changes it."""
     dtype = torch.float32 if grads[0].device.type == "mps" else torch.float64  # MPS lacks float64
     norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in grads]).pow(2).sum()
     if sharded:
@@ -72,7 +71,6 @@ class DataParallel(nn.Module):
             self.require_backward_grad_sync = sync
 
 
-# -----------------------------------------------------------------------------
 # exact_reduction: the gradients summed in float64, the same bits at every world size
 
 
@@ -123,11 +121,9 @@ class ExactDDP(DataParallel):
 
     def clip_grad_norm_(self, parameters, max_norm):
         """torch.nn.utils.clip_grad_norm_, with the squares summed in float64 (clip_grad_norm)."""
-        return clip_grad_norm([p.grad for p in parameters if p.grad is not None], max_norm,
-                              sharded=False)
+        return clip_grad_norm([p.grad for p in parameters if p.grad is not None], max_norm, sharded=False)
 
 
-# -----------------------------------------------------------------------------
 # ZeRO-2: whole weights and gradients, optimizer state and update sharded by flat slices
 
 
@@ -155,9 +151,7 @@ class ZeRO2(DataParallel):
         return F.pad(flat, (0, -flat.numel() % self.world_size))
 
     def shard_of(self, t):
-        flat = self.padded(t)
-        n = flat.numel() // self.world_size
-        return flat[self.rank * n:(self.rank + 1) * n]
+        return self.padded(t).tensor_split(self.world_size)[self.rank]
 
     def gather(self, shard, like):
         """Launches the all-gather of every rank's `shard` of a tensor shaped as `like`; returns
@@ -255,7 +249,6 @@ class ZeRO2Optimizer(OptimizerOfViews):
         super().load_state_dict(full_state)
 
 
-# -----------------------------------------------------------------------------
 # FSDP2: parameters, gradients and optimizer state sharded
 
 

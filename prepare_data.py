@@ -122,8 +122,7 @@ def _text(name, row, field):
     """The string in `field` of `row`, one document, which `name` names ('FILE line 3'). Raises
     UserError saying what the row holds when that is not an object with a string there."""
     if not isinstance(row, dict):
-        raise UserError(f"{name} is {_kind(row)}, not an object with a {field!r} string; fix or "
-                        f"remove it")
+        raise UserError(f"{name} is {_kind(row)}, not an object with a {field!r} string; fix or remove it")
     text = row.get(field)
     if isinstance(text, str):
         return text
@@ -159,8 +158,7 @@ class _ShardWriter:
     def __init__(self, out_dir, name, shard_size):
         self.out_dir, self.name = out_dir, name
         self.buf = np.empty(shard_size, dtype=np.uint16)
-        self.fill = 0
-        self.split = None
+        self.fill, self.split = 0, None  # tokens in buf, and their split
         self.shards = []  # the manifest's entry of each shard written, in writing order
 
     def add(self, split, tokens):
@@ -202,22 +200,19 @@ def _token_count(s):
 def _parse_args(argv):
     parser = configurator.ArgumentParser(
         description="Tokenize text with GPT-2's BPE into llm.c .bin token shards.",
-        epilog="With no --input or --dataset, the embedded corpus assets/tinyshakespeare.txt is used.",
-    )
+        epilog="With no --input or --dataset, the embedded corpus assets/tinyshakespeare.txt is used.")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
                         help="local files: .txt (one document per file), .jsonl/.json or .parquet "
                              "(one document per row); all of one kind")
     source.add_argument("--dataset", metavar="NAME",
                         help="Hugging Face hub dataset to stream, e.g. HuggingFaceFW/fineweb-edu")
-    parser.add_argument("--dataset_config", metavar="CONFIG",
-                        help="config of --dataset, e.g. sample-10BT")
+    parser.add_argument("--dataset_config", metavar="CONFIG", help="config of --dataset, e.g. sample-10BT")
     parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
     parser.add_argument("--text_field", default="text",
                         help="column holding the text in json/parquet/hub rows (default: text)")
-    parser.add_argument("--name", help="prefix of the shard names, a plain file name (default: the "
-                                       "first file's stem, the dataset's last path component, or "
-                                       "tinyshakespeare)")
+    parser.add_argument("--name", help="prefix of the shard names, a plain file name (default: the first "
+                                       "file's stem, the dataset's last path component, or tinyshakespeare)")
     parser.add_argument("--output_dir", help="default: data/<name>/ next to this script")
     parser.add_argument("--shard_size", type=_token_count, default=100_000_000,
                         help="tokens per shard (default: 1e8)")
@@ -227,8 +222,7 @@ def _parse_args(argv):
                           "counts the tokens for --val_fraction (worth it for big inputs). Default for "
                           "--dataset: --shard_size (the first shard is val)")
     val.add_argument("--val_fraction", type=float, default=0.1,
-                     help="fraction of all tokens, the first ones, that go to val, in (0, 1) "
-                          "(default: 0.1)")
+                     help="fraction of all tokens, the first ones, that go to val, in (0, 1) (default: 0.1)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="tokenizer processes (default: all cores)")
     parser.add_argument("--overwrite", action="store_true",
@@ -390,10 +384,9 @@ def _inputs(args):
 
 
 def _sources(args, files, reader):
-    """The (where, rows) sources, rows() an iterator of (row name, dict) pairs, read afresh on
-    each call: a hub dataset, streamed, or one per local file, so errors can name it. .txt files are
-    read as `datasets`' text builder with sample_by=document does, and json files as its json
-    builder does, but without it, which the training does not need."""
+    """The (where, rows) sources, rows() an iterator of (row name, dict) pairs, read afresh on each
+    call: a hub dataset, streamed, or one per local file, so errors can name it. .txt and json files
+    are read as `datasets`' text (sample_by=document) and json builders do, but without `datasets`."""
     if reader == "text":  # zero-byte files hold no documents
         return [(f, partial(_text_rows, f)) for f in files if os.path.getsize(f) > 0]
     if reader == "json":
@@ -427,10 +420,9 @@ def _text_rows(path):
 
 
 def _json_rows(path):
-    """The rows of a .jsonl or .json file as (name, row) pairs: one JSON value a non-blank line,
-    named by line; or for a .json file that starts with '[', the elements of the array it holds,
-    named by item (the two forms `datasets`' json builder reads). Raises UserError for a line, or
-    such a file, that is not UTF-8 JSON."""
+    """The rows of a .jsonl or .json file as (name, row) pairs: one JSON value a non-blank line, named
+    by line, or for a .json file starting with '[' its array's elements, named by item (the two forms
+    `datasets`' json builder reads). Raises UserError for a line, or such a file, not UTF-8 JSON."""
     with open(path, "rb") as f:
         if path.endswith(".json") and f.read(1 << 16).lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"[":
             f.seek(0)

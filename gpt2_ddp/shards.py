@@ -44,12 +44,8 @@ def write_shard(path, tokens):
         raise ValueError(f"a shard holds at most {MAX_SHARD_TOKENS} tokens, got {len(tokens)}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-
-    def write(f):
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2", copy=False).tobytes())
-
-    atomic_write(path, write)
+    body = tokens.astype("<u2", copy=False)
+    atomic_write(path, lambda f: f.writelines([header.tobytes(), body.tobytes()]))
 
 
 def read_tokens(path):
@@ -136,9 +132,8 @@ def split_paths(data_dir, split, dataset="", required=False):
     if not dataset:
         names = sorted({d for d, _ in named.values()})
         if len(names) > 1:
-            raise UserError(f"{data_dir} holds the shards of {len(names)} datasets "
-                            f"({', '.join(names)}): pass --dataset=NAME to train on one, or move "
-                            f"the others out")
+            raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(names)}): "
+                            f"pass --dataset=NAME to train on one, or move the others out")
     paths = sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
     if required and not paths:
         makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",

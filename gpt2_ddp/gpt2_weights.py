@@ -105,8 +105,7 @@ def read_hf_config(path):
         value = hf_config[key]
         if type(value) is not int or value < 1:  # type(): a JSON true is a bool, which is an int
             kind = f", {JSON_KINDS[type(value)]}" if type(value) is not int else ""
-            raise UserError(f"{file}: {key} is {json.dumps(value)[:50]}{kind}, not a positive "
-                            f"integer")
+            raise UserError(f"{file}: {key} is {json.dumps(value)[:50]}{kind}, not a positive integer")
     if hf_config["n_embd"] % hf_config["n_head"]:
         raise UserError(f"{file}: n_embd {hf_config['n_embd']} is not a multiple of n_head "
                         f"{hf_config['n_head']}")
@@ -175,13 +174,11 @@ def state_mismatch(state, expected):
 
 
 def save_hf(model_state, config, out_dir):
-    """Writes out_dir, a Hugging Face GPT-2 directory that `GPT2LMHeadModel.from_pretrained` and
-    `GPT2TokenizerFast.from_pretrained` load offline, from a GPT's state dict and its
-    train_gpt2.Config; vocab.json and merges.txt are copies of assets/encoder.json and
-    assets/vocab.bpe. All config.vocab_size rows are kept (50304 with the padding), so logits are
-    ours exactly; bias=false models get zero biases. out_dir is whole or absent (a temporary
-    directory renamed). Raises UserError if out_dir exists and is not an empty directory, cannot
-    be written, or an asset's sha256 is not the expected one."""
+    """Writes out_dir, a Hugging Face GPT-2 directory that transformers' GPT2LMHeadModel and
+    GPT2TokenizerFast load offline, from a GPT's state dict and train_gpt2.Config, whole or not at
+    all. All vocab_size rows are kept, so logits are ours exactly; bias=false gets zero biases.
+    Raises UserError if out_dir is not absent or empty, cannot be written, or an asset's sha256
+    is not the expected one."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -214,17 +211,15 @@ def save_hf(model_state, config, out_dir):
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         # safetensors >= 0.8 writes through a tempfile of mode 0o600 (safetensors#782)
         os.chmod(tmp / "model.safetensors", new_file_mode())
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        for name, value in (("config.json", hf_config), ("tokenizer_config.json", tokenizer_config)):
+            (tmp / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
         shutil.copyfile(checked(GPT2_VOCAB_PATH, GPT2_VOCAB_SHA256), tmp / "vocab.json")
         shutil.copyfile(checked(GPT2_MERGES_PATH, GPT2_MERGES_SHA256), tmp / "merges.txt")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
-                                                   encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
     except OSError as e:
-        raise UserError(f"cannot write {out_dir}: {e.strerror}; pick a directory you can "
-                        f"write") from e
+        raise UserError(f"cannot write {out_dir}: {e.strerror}; pick a directory you can write") from e
     finally:  # after the rename tmp is gone; after any failure, what was written goes with it
         if made:
             shutil.rmtree(tmp, ignore_errors=True)

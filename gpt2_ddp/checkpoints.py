@@ -56,10 +56,9 @@ def remove(path):
 
 
 def lock(out_dir):
-    """Makes out_dir and takes an flock on {out_dir}/.lock, which the kernel releases however the
-    process ends, so a SIGKILL leaves nothing stale. Keep the returned file open while the run lasts.
-    Raises UserError when out_dir cannot be made or written, or another process holds the lock. A
-    filesystem without flock (NFS without lockd, Lustre mounted noflock) gets a warning, no lock."""
+    """Makes out_dir and flocks {out_dir}/.lock (released however the process ends), returning the
+    file to keep open while the run lasts; a filesystem without flock gets a warning, no lock.
+    Raises UserError when out_dir cannot be made or written, or another process holds the lock."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

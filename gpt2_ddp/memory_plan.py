@@ -74,10 +74,9 @@ def plan(config, world_size, device_type, counts):
     sbh = s * b * h
     masks = 2 if config.dropout > 0 else 0
     layer = sbh * (14 * e + 2 * 4 + masks)
+    blocks = config.n_layer * layer
     if config.activation_checkpointing:  # the blocks' float32 inputs, and one block recomputed
         blocks = config.n_layer * 4 * sbh + layer
-    else:
-        blocks = config.n_layer * layer
     parts["activations"] = blocks + sbh * (4 + e + (1 if config.dropout > 0 else 0))  # ln_f, drop
     parts["logits"] = s * b * config.vocab_size * ((e + 4 + 4) if cuda else 8)  # (bf16,) float32, log-softmax
     parts["total"] = sum(parts.values())
@@ -128,6 +127,5 @@ def checked_summary(config, world_size, device, counts):
                         "ranks (--sharding=fsdp)")
     unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
     sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
-    return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, "
-            f"{config.sharding}, activation checkpointing "
-            f"{'on' if config.activation_checkpointing else 'off'})")
+    return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, {config.sharding}, "
+            f"activation checkpointing {'on' if config.activation_checkpointing else 'off'})")

@@ -60,8 +60,7 @@ class Muon(torch.optim.Optimizer):
     step() is a collective under torch.distributed: every rank calls it."""
 
     def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      splits=1))
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=1))
         self.owner = None  # parameter -> its owner rank, chosen at the first step
 
     @staticmethod
@@ -115,9 +114,8 @@ class Muon(torch.optim.Optimizer):
                                                                device=p.device)
             return when_done(dist.broadcast(buf, src=owner, async_op=True), lambda: buf)
         view_shape = local(p).shape
-        pieces = None
-        if whole is not None:
-            pieces = list(F.pad(whole.reshape(-1), (0, n * self.world_size - whole.numel())).split(n))
+        pieces = (None if whole is None
+                  else list(F.pad(whole.reshape(-1), (0, n * self.world_size - whole.numel())).split(n)))
         piece = torch.empty(n, dtype=torch.bfloat16, device=p.device)
         work = dist.scatter(piece, pieces, src=owner, async_op=True)
         return when_done(work, lambda: piece[:math.prod(view_shape)].view(view_shape))

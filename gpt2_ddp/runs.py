@@ -114,12 +114,11 @@ def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress
     code, stdout, stderr = stream(cmd, show, timeout, env)
     if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
-    if proc.returncode != 0:
-        raise UserError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    if code != 0:
+        raise UserError(f"{' '.join(cmd)} failed ({code}):\n{stdout}\n{stderr}")
     if progress is not None:
         print(f"{progress}: finished in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-    return proc
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def read_log(path):

@@ -83,8 +83,7 @@ def settings(cpu_threads, devices):
 
 
 def spread(tok_per_s):
-    return (f"{statistics.median(tok_per_s):.1f} ({min(tok_per_s):.1f}-"
-            f"{max(tok_per_s):.1f})")
+    return f"{statistics.median(tok_per_s):.1f} ({min(tok_per_s):.1f}-{max(tok_per_s):.1f})"
 
 
 def time_setting(name, model, hf, prompt, args):
@@ -94,11 +93,10 @@ def time_setting(name, model, hf, prompt, args):
     rows = []
     for new_tokens in args.new_tokens:
         print(f"timing {name}, {new_tokens} tokens ...", file=sys.stderr, flush=True)
-        times = {"ours": [], "theirs": []}
+        rate = {"ours": [], "theirs": []}  # tokens per second
         for repeat in range(args.repeats):
-            times["ours"].append(ours(model, prompt, new_tokens, args.seed + repeat))
-            times["theirs"].append(theirs(hf, prompt, new_tokens, args.seed + repeat))
-        rate = {k: [new_tokens / t for t in v] for k, v in times.items()}
+            rate["ours"].append(new_tokens / ours(model, prompt, new_tokens, args.seed + repeat))
+            rate["theirs"].append(new_tokens / theirs(hf, prompt, new_tokens, args.seed + repeat))
         ratio = statistics.median(rate["ours"]) / statistics.median(rate["theirs"])
         rows.append(f"| {name}, {new_tokens} new tokens | {spread(rate['ours'])} | "
                     f"{spread(rate['theirs'])} | {ratio:.2f}x |")
@@ -154,8 +152,7 @@ def main(argv):
             del sampler
     finally:  # main() also runs in the tests' process
         torch.set_num_threads(cpu_threads)
-    print(f"| setting | ours tok/s, median (min-max) of {args.repeats} | transformers tok/s | "
-          f"ratio |")
+    print(f"| setting | ours tok/s, median (min-max) of {args.repeats} | transformers tok/s | ratio |")
     print("|---|---|---|---|")
     print("\n".join(rows))
 

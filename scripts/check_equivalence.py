@@ -45,8 +45,7 @@ def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
                         f"{label}world size {n}") for n in world_sizes}
     ref_model = trained[world_sizes[0]][-1]
     return {n: {"step": [r["step"] for r in steps], "loss": [r["loss"] for r in steps],
-                "grad_norm": [r["grad_norm"] for r in steps],
-                "val_loss": [r["val_loss"] for r in evals],
+                "grad_norm": [r["grad_norm"] for r in steps], "val_loss": [r["val_loss"] for r in evals],
                 "hellaswag": [(r["hellaswag_acc_norm"], r["hellaswag_acc"], r["hellaswag_examples"])
                               for r in hellaswag],
                 "model": model, "max_param_diff": max_diff(model, ref_model)}
@@ -136,9 +135,8 @@ def main(argv):
     args, train_args = parser.parse_known_args(argv)
     if min(args.world_sizes) < 1:
         parser.error("--world_sizes must be >= 1")
-    if args.python:  # before any run: a bad interpreter is one line, not minutes later
-        for python in args.python:
-            torch_version(python)
+    for python in args.python:  # before any run: a bad interpreter is one line, not minutes later
+        torch_version(python)
     results = compare(train_args, args.world_sizes, args.out_dir)
     print_table(results)
     if args.python:

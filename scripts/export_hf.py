@@ -12,7 +12,6 @@ and GPT-2's tokenizer) that `transformers` loads with no network:
 To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingface_hub's CLI).
 """
 
-
 from gpt2_ddp import configurator
 from gpt2_ddp.gpt2_weights import save_hf
 from train_gpt2 import GPT

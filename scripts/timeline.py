@@ -43,8 +43,7 @@ def gloo_collectives(events):
     runs = sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"])
     queues = {kind: iter(kinds) for kind, kinds in issued.items()}
     for e in runs:  # each gloo family runs its ops in issue order, so they pair up with c10d's
-        ran_as = collective_kind(e["name"])
-        if ran_as:
+        if ran_as := collective_kind(e["name"]):
             yield next(queues.get(ran_as, iter(())), ran_as), e
 
 
@@ -61,8 +60,7 @@ def lanes(trace, steps):
     windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                      if e["name"].startswith("ProfilerStep#"))
     if not windows:
-        raise UserError("no ProfilerStep in the trace: was it written by train_gpt2.py "
-                        "--profile=true?")
+        raise UserError("no ProfilerStep in the trace: was it written by train_gpt2.py --profile=true?")
     start, end = windows[0][0], windows[min(steps, len(windows)) - 1][1]
     ranges = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
               else "user_annotation")

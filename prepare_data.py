@@ -393,13 +393,17 @@ def _sources(args, files, reader):
         return [(f, partial(_json_rows, f)) for f in files]
     try:  # imported here: slow to import, and only the hub and parquet need it
         import datasets
+        import huggingface_hub
         from datasets import load_dataset
     except ImportError:
         raise UserError(f"{'--dataset' if args.dataset else 'parquet input'} needs the "
                         f"datasets package: pip install datasets") from None
-    # _read_error() reports parse errors in one line, which datasets' logger would repeat
+    # _read_error() reports parse errors and an unreachable hub in one line, which the loggers of
+    # datasets and huggingface_hub (a warning per retry) would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    huggingface_hub.utils.logging.set_verbosity_error()
     if args.dataset:
+        print(f"opening {args.dataset} on the Hugging Face hub", flush=True)  # retried before it fails
         wanted = [(args.dataset, dict(path=args.dataset, name=args.dataset_config, split=args.split))]
     else:  # the parquet builder crashes on zero-byte files, which hold no documents
         wanted = [(f, dict(path=reader, data_files=f, split="train")) for f in files

@@ -176,7 +176,7 @@ def main(argv):
                         help=f"from {', '.join(VARIANTS)}, or name:--key=value,...")
     parser.add_argument("--micro_batch_sizes", type=int, nargs="*", default=[],
                         help="also run the config (with its own compile setting) at these B")
-    parser.add_argument("--out_dir", default="out/bench")
+    parser.add_argument("--out_dir", default="out/bench", help="each variant's run in a directory here")
     args, train_args = parser.parse_known_args(argv)
     if min(args.nproc, args.steps) < 1:
         parser.error("--nproc and --steps must be >= 1")

@@ -110,8 +110,8 @@ def main(argv):
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of each, alternating")
     parser.add_argument("--n_layer", type=int, default=12, help="the GPT's shape, GPT-2 124M's by "
                         "default; a smaller one for a quick check")
-    parser.add_argument("--n_head", type=int, default=12)
-    parser.add_argument("--n_embd", type=int, default=768)
+    parser.add_argument("--n_head", type=int, default=12, help="attention heads, as --n_layer")
+    parser.add_argument("--n_embd", type=int, default=768, help="width of the residual stream, as --n_layer")
     parser.add_argument("--seed", type=int, default=1337, help="weights, prompt and samples")
     parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"],
                         default=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"],

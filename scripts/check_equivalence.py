@@ -126,12 +126,13 @@ def main(argv):
         description=__doc__.split("\n\n")[0],
         usage="%(prog)s [CONFIG.toml] [--key=value ...] [--world_sizes N ...] [--python PYTHON] "
               "[--out_dir DIR]")
-    parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4],
+                        help="processes of each run, compared with the first")
     parser.add_argument("--python", action="append", default=[],
                         help="another interpreter (a venv's bin/python) whose torch to check")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="with --python: the largest relative loss or gradient norm difference allowed")
-    parser.add_argument("--out_dir", default="out/check_equivalence")
+    parser.add_argument("--out_dir", default="out/check_equivalence", help="each run's directory goes here")
     args, train_args = parser.parse_known_args(argv)
     if min(args.world_sizes) < 1:
         parser.error("--world_sizes must be >= 1")

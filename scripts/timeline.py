@@ -108,7 +108,7 @@ def main(argv):
     parser.add_argument("run", help="an out_dir holding trace_rank*.json, or one trace file")
     parser.add_argument("--steps", type=int, default=1, help="profiled steps to draw (1-3)")
     parser.add_argument("--out", help="the PNG (default: timeline.png beside the traces)")
-    parser.add_argument("--title")
+    parser.add_argument("--title", help="the figure's title (default: the ranks and steps drawn)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")

@@ -636,3 +636,18 @@ def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     assert re.fullmatch(r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: Couldn't reach "
                         r"'HuggingFaceFW/fineweb-edu' on the Hub \(\w+\)\n", proc.stderr), proc.stderr
+
+
+def test_an_unreachable_hub_is_one_line_after_its_retries(tmp_path):
+    """A hub that refuses connections (HF_ENDPOINT on a closed port), its retries' back-off sleeps
+    skipped: prepare_data says what it opens, then fails in one line, no retry warnings."""
+    code = ("import runpy, sys, time; time.sleep = lambda seconds: None; sys.path.insert(0, '.'); "
+            f"sys.argv = ['prepare_data.py', '--dataset', 'HuggingFaceFW/fineweb-edu', '--output_dir', "
+            f"{str(tmp_path / 'out')!r}]; "
+            "runpy.run_path('prepare_data.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9"))
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert proc.stdout == "opening HuggingFaceFW/fineweb-edu on the Hugging Face hub\n"
+    assert re.fullmatch(r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: [^\n]+\n",
+                        proc.stderr), proc.stderr

@@ -485,3 +485,12 @@ def test_bf16_gradient_compression_is_refused_on_gloo(tiny_data, tmp_path):
          "--total_batch_size=128", "--grad_compression=bf16"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0
     assert "grad_compression=bf16 needs NCCL" in proc.stderr
+
+
+def test_a_compiled_run_says_that_its_first_step_waits_for_compilation(capsys):
+    """torch.compile compiles at the first call, so the wrapping alone is quick, and says so."""
+    config = load_config([*TINY, "--compile=true"])
+    train_gpt2.parallelize(GPT(config), config, torch.device("cpu"))
+    assert "torch.compile: the first step waits while the model compiles" in capsys.readouterr().out
+    train_gpt2.parallelize(GPT(config), dataclasses.replace(config, compile=False), torch.device("cpu"))
+    assert "torch.compile" not in capsys.readouterr().out

@@ -641,7 +641,7 @@ def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
 def test_an_unreachable_hub_is_one_line_after_its_retries(tmp_path):
     """A hub that refuses connections (HF_ENDPOINT on a closed port), its retries' back-off sleeps
     skipped: prepare_data says what it opens, then fails in one line, no retry warnings."""
-    code = ("import runpy, sys, time; time.sleep = lambda seconds: None; sys.path.insert(0, '.'); "
+    code = ("import runpy, sys, time; time.sleep = lambda seconds: None; "
             f"sys.argv = ['prepare_data.py', '--dataset', 'HuggingFaceFW/fineweb-edu', '--output_dir', "
             f"{str(tmp_path / 'out')!r}]; "
             "runpy.run_path('prepare_data.py', run_name='__main__')")

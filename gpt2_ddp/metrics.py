@@ -172,13 +172,15 @@ class Metrics:
     def train_step(self, step, loss, lr, norm, dt, skipped, optimizer):
         """Reports the step-th update (counted from 1, as its checkpoint): loss (the mean over its
         micro-batches), lr, norm (the gradient's before clipping), dt (seconds), whether the
-        update was skipped, and in this run's first the bytes of optimizer state this rank holds.
+        update was skipped, Muon's lr as optimizer's Muon groups hold it, and in this run's first
+        the bytes of optimizer state this rank holds.
         A loss over a nat above the running mean (e times its perplexity) gets a line of its own."""
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
-        if self.config.optimizer == "muon":  # Muon's groups have lr_scale = muon_lr / max_lr
-            record["muon_lr"] = lr * self.config.muon_lr / self.config.max_lr if self.config.max_lr else 0.0
+        muon_lrs = [group["lr"] for group in optimizer.param_groups if "splits" in group]  # Muon's groups
+        if muon_lrs:
+            record["muon_lr"] = muon_lrs[0]
         if skipped:
             record["skipped"] = True
         if self.peak:

@@ -215,11 +215,13 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
 def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(capsys):
     """A loss over a nat above the running mean is named with its step; the mean's own noise and
     a skipped (non-finite) step are not. Under optimizer=muon each step says Muon's lr too."""
-    config = load_config(["--optimizer=muon", "--max_lr=1e-3", "--muon_lr=0.02", "--max_steps=8"])
+    config = load_config([*TINY, "--optimizer=muon", "--max_lr=1e-3", "--muon_lr=0.02", "--max_steps=8"])
     metrics = train_gpt2.Metrics(None, config, 1, torch.device("cpu"), 1.0, 0)
+    optimizer = GPT(config).configure_optimizers(config, "cpu")
+    for group in optimizer.param_groups:  # as the loop sets them for lr 1e-3
+        group["lr"] = 1e-3 * group["lr_scale"]
     for step, loss in enumerate([6.0, 6.5, 5.9, 6.0, float("inf"), 7.2, 6.1], start=1):
-        metrics.train_step(step, loss, 1e-3, 1.0, 0.1, not np.isfinite(loss),
-                           types.SimpleNamespace(state={}))
+        metrics.train_step(step, loss, 1e-3, 1.0, 0.1, not np.isfinite(loss), optimizer)
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "spike" in line] == [
         "step     6 | loss spike: 7.200000, the running mean is 6.031500"]

@@ -37,7 +37,6 @@ import re
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -55,13 +54,14 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from gpt2_ddp import checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan
+from gpt2_ddp import (checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan,
+                      precision)
 from gpt2_ddp.collectives import (Stopped, agreed, all_reduce_max, catch_stop_signals, torchrun_env,
                                   wait_for_master)
 from gpt2_ddp.device import choose_device, keep_freed_cpu_memory, make_deterministic
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
-from gpt2_ddp.metrics import Metrics, log, start_profiler
+from gpt2_ddp.metrics import Metrics, log
 from gpt2_ddp.muon import Chain, Muon
 from gpt2_ddp.shards import check_token_ids, read_shard_header, read_tokens, split_paths
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
@@ -135,6 +135,7 @@ class Config:
     gradient_as_bucket_view: bool = False  # ddp: gradients live in the buckets, saving a copy
     grad_compression: str = "none"  # ddp: bf16 all-reduces half the bytes (NCCL only)
     exact_reduction: bool = False  # sum gradients and losses in float64: the same bits at any world size
+    dtype: str = "auto"  # bfloat16, float16 (loss-scaled) or float32; auto: by GPU, float32 on CPU
     compile: bool = True  # torch.compile the model
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
@@ -162,6 +163,7 @@ CONFIG_RULES = {
     "sharding": (("ddp", "zero2", "fsdp"), "ddp, zero2 or fsdp"),
     "grad_compression": (("none", "bf16"), "none or bf16"),
     "optimizer": (("adamw", "muon"), "adamw or muon"),
+    "dtype": (("auto", *precision.DTYPES), "auto, bfloat16, float16 or float32"),
     "resume": (("auto", "never"), "auto or never"),
 }
 
@@ -645,15 +647,15 @@ def make_loaders(config, rank, world_size, device):
     return loaders
 
 
-def resume(config, raw_model, optimizer, train_loader, out, existing):
-    """Loads out_dir's newest checkpoint (checkpoints.load_newest) into the model, optimizer and
-    train loader, and starts out_dir's log at its step (OutDir.start: with overwrite, the old
-    checkpoints and log stay until this run's first checkpoint). No RNG state is needed: every
-    random draw after init is seeded from (seed, step). Returns (the step resumed at, whether its
-    evaluations ran before it was saved): (0, False) for a fresh start; (None, None), with a line
-    saying so, when the run is complete. Raises UserError, on every rank and before anything
-    loads, for a checkpoint of an older format or of another model (its state's keys and shapes)
-    or optimizer. A collective."""
+def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
+    """Loads out_dir's newest checkpoint (checkpoints.load_newest) into the model, optimizer, loss
+    scaler (unless the dtype changed: a line says so) and train loader, and starts out_dir's log at
+    its step (OutDir.start: with overwrite, the old checkpoints and log stay until this run's first
+    checkpoint). No RNG state is needed: every random draw after init is seeded from (seed, step).
+    Returns (the step resumed at, whether its evaluations ran before it was saved): (0, False) for a
+    fresh start; (None, None), with a line saying so, when the run is complete. Raises UserError, on
+    every rank and before anything loads, for a checkpoint of an older format or of another model
+    (its state's keys and shapes) or optimizer. A collective."""
     path, ckpt = checkpoints.load_newest(config.out_dir, log) if config.resume == "auto" else (None, None)
     if path is not None:
         new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
@@ -684,6 +686,11 @@ def resume(config, raw_model, optimizer, train_loader, out, existing):
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])  # after the weights: zero2 slices them
         train_loader.load_state_dict(ckpt["loader"])
+        if saved["dtype"] == config.dtype:
+            scaler.load_state_dict(ckpt["scaler"])  # float16's scale goes on; the others have none
+        else:
+            log(f"the dtype changes from the checkpoint's {saved['dtype']} to {config.dtype}"
+                + ("; the loss scaler starts anew" if config.dtype == "float16" else ""))
         log(f"resumed from {path} at step {ckpt['step']}")
     start_step, evaluated = (ckpt["step"], ckpt["evaluated"]) if path else (0, False)
     if start_step >= config.max_steps:
@@ -755,27 +762,28 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=Non
     return (total[0] / total[1]).float().item()
 
 
-def sample(model, prompt, config, step, device, check_stop):
+def sample(model, prompt, config, step, device, autocast, check_stop):
     """The model's continuation of `prompt` (GPT-2 token ids), config.sample_tokens long, drawn
-    from a generator seeded by (seed, step), as text. Every rank calls it (FSDP's all-gathers).
-    check_stop() runs before each token (StopSignals.check raises Stopped)."""
+    from a generator seeded by (seed, step) under `autocast`, as text. Every rank calls it (FSDP's
+    all-gathers). check_stop() runs before each token (StopSignals.check raises Stopped)."""
     model.eval()
     tokens = [torch.tensor([prompt], device=device)]
     generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
-    for token in model.generate(tokens[0], config.sample_tokens, generator):
-        check_stop()
-        tokens.append(token)
+    with autocast:
+        for token in model.generate(tokens[0], config.sample_tokens, generator):
+            check_stop()
+            tokens.append(token)
     tokens = torch.cat(tokens, dim=1)
     model.train()
     return gpt2_encoding().decode(tokens[0].tolist())
 
 
-def save_checkpoint(out, step, raw_model, optimizer, config, train_loader, evaluated):
+def save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, evaluated):
     """Saves the checkpoint of `step` (OutDir.save) and returns its step. A collective: the sharded
     swap-ins gather whole tensors, and every rank stops if the save fails."""
     state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-             "config": dataclasses.asdict(config), "step": step, "loader": train_loader.state_dict(),
-             "evaluated": evaluated}
+             "scaler": scaler.state_dict(), "config": dataclasses.asdict(config), "step": step,
+             "loader": train_loader.state_dict(), "evaluated": evaluated}
     path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
     log(f"saved {path}")
     return step
@@ -847,6 +855,8 @@ def train(config, rank, world_size, device):
     micro_batches_per_step = grad_accum * world_size
     log(f"world_size {world_size} | device {device} | total batch {config.total_batch_size} tokens = "
         f"{config.micro_batch_size} x {config.seq_len} x {world_size} x {grad_accum} grad accum steps")
+    config, why = agreed(lambda: precision.resolve(config, device))  # auto no more
+    log(why)
     # the gradients sum to the step's mean: DDP averages over ranks, exact_reduction sums in float64
     loss_divisor = micro_batches_per_step if config.exact_reduction else grad_accum
     sum_dtype = torch.float64 if config.exact_reduction else torch.float32
@@ -861,16 +871,15 @@ def train(config, rank, world_size, device):
     train_loader, val_loader = make_loaders(config, rank, world_size, device)
 
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
-    autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else nullcontext())
+    autocast = precision.autocast(config.dtype, device)
+    scaler = precision.grad_scaler(config.dtype, config.sharding, device)  # off but for float16
     raw_model = build_model(config, device, pretrained_state)
     model, optimizer, clip_grad_norm_ = parallelize(raw_model, config, device)
-    start_step, evaluated = resume(config, raw_model, optimizer, train_loader, out, existing)
+    start_step, evaluated = resume(config, raw_model, optimizer, scaler, train_loader, out, existing)
     if start_step is None:  # the run is complete
         return 0
-    metrics = Metrics(out if rank == 0 else None, config, world_size, device,
+    metrics = Metrics(out if rank == 0 else None, config, rank, world_size, device,
                       raw_model.flops_per_token(config.seq_len) * config.total_batch_size, start_step)
-    profiler = start_profiler(config, rank)
 
     # -------------------------------------------------------------------------
     # Training loop
@@ -893,7 +902,7 @@ def train(config, rank, world_size, device):
                 raw_model.train()
                 metrics.evaluation(step, result, hellaswag.summary(result))
             if measure and every(config.sample_interval, step, config) and step > 0:
-                text = sample(raw_model, prompt, config, step, device, stop_signals.check)
+                text = sample(raw_model, prompt, config, step, device, autocast, stop_signals.check)
                 log(f"sample at step {step}: {text!r}")
         except Stopped:  # the checkpoint says this step's evaluations did not run
             stop, measure = True, False
@@ -901,7 +910,8 @@ def train(config, rank, world_size, device):
         # the interval does not in a run of skipped updates, which may be a divergence
         if step > start_step and (stop or last_step or (
                 not skipped and every(config.checkpoint_interval, step, config))):
-            last_saved = save_checkpoint(out, step, raw_model, optimizer, config, train_loader, measure)
+            last_saved = save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader,
+                                         measure)
         if stop:
             log(stopped_line(stop_signals.first(), step, start_step))
         if stop or last_step:
@@ -926,7 +936,7 @@ def train(config, rank, world_size, device):
                 loss_accum += loss.detach()
                 loss = loss / loss_divisor
                 with record_function("backward"):
-                    loss.backward()
+                    scaler.scale(loss).backward()
         # the loss summed over ranks, and whether any rank was asked to stop, in one all-reduce
         # (fill_ takes the host's value without the sync a new device tensor would cost)
         totals = torch.stack([loss_accum, stop_flag.fill_(len(stop_signals))])
@@ -937,6 +947,7 @@ def train(config, rank, world_size, device):
             lr = get_lr(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
+            scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
             norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
             # the step's one host sync: a non-finite loss or norm skips the update, changing nothing
             loss_value, stop, norm = torch.stack(
@@ -944,17 +955,14 @@ def train(config, rank, world_size, device):
             finite = math.isfinite(loss_value) and math.isfinite(norm)
             if finite:
                 optimizer.step()
-        skipped = 0 if finite else skipped + 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        metrics.train_step(step + 1, loss_value, lr, norm, time.time() - t0, not finite, optimizer)
-        if profiler:
-            profiler.step()
+            scaler.update()  # halves the scale after an overflow, doubles it after 2000 clean steps
+        # float16's overflows are normal, the scaler's to handle; a non-finite loss is not
+        overflow = precision.overflowed(scaler, loss_value, norm)
+        skipped = 0 if finite else skipped + (not overflow)
+        metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer, scaler, not finite, overflow)
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
             raise diverged(step + 1, skipped, loss_value, norm, last_saved, config)
         stop = stop > 0
-    if profiler:
-        profiler.stop()
     metrics.close()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves

@@ -24,7 +24,7 @@ except ImportError:
 
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
 # save()'s format; a resume refuses any other, init_from reads only the weights
-VERSION = 3
+VERSION = 4
 
 
 def path_of(out_dir, step):
@@ -120,7 +120,7 @@ def map_tensors(fn, obj):
 
 
 def save(path, state):
-    """Writes state (a dict of KEYS and "evaluated"), its format VERSION and its sha256 to `path`
+    """Writes state (a dict of KEYS, "scaler" and "evaluated"), its format VERSION and its sha256 to `path`
     atomically. Raises UserError, writing nothing and keeping every older checkpoint, when a float
     in state is not finite (the run diverged) or the write fails (disk full, permissions)."""
     found, floats = [], {}  # floats by device: one host sync per device, not per tensor

@@ -18,6 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gpt2_ddp.precision import DTYPES
+
 # the new names where torch has them, else the old ones, which newer torch deprecates
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -131,7 +133,9 @@ class ZeRO2(DataParallel):
     """ZeRO stage 2 (Rajbhandari et al. 2020), as in "A Thousand Ways to Write ZeRO-2"
     (modded-nanogpt's DistAdam): rank r owns slice r, `shards[p]`, of each parameter flattened and
     zero-padded to a multiple of world_size, and ZeRO2Optimizer updates it. Synced gradients are
-    reduce-scattered asynchronously as autograd finishes each; exact_reduction sums as ExactDDP."""
+    reduce-scattered asynchronously as autograd finishes each, and waited for as the backward ends,
+    as DDP waits for its all-reduces, so the slices' .grad are ready when backward() returns;
+    exact_reduction sums as ExactDDP."""
 
     def __init__(self, model, config):
         super().__init__(torch.compile(model) if config.compile else model)
@@ -173,16 +177,22 @@ class ZeRO2(DataParallel):
             grad = p.grad / self.world_size  # divide before summing, as DDP does, to round alike
         reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter_single(reduced, self.padded(grad), async_op=True)
+        if not self.pending:  # the backward's first: wait for them all once it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait_for_grads)
         self.pending.append((p, reduced, work))
 
-    def clip_grad_norm_(self, parameters, max_norm):
-        """Waits for the reduce-scatters of the gradients of `parameters` and clips their slices by
-        the whole gradient's norm, which it returns. A collective."""
-        for p, reduced, work in self.pending:  # in backward order: the earliest launched finish first
+    def wait_for_grads(self):
+        """Autograd's callback at the end of a syncing backward: each slice's .grad from its
+        reduce-scatter, in backward order (the earliest launched finish first)."""
+        for p, reduced, work in self.pending:
             work.wait()
             self.shards[p].grad = reduced.float()
             p.grad = None  # dropping the whole gradient is ZeRO-2's memory saving
         self.pending = []
+
+    def clip_grad_norm_(self, parameters, max_norm):
+        """Clips the gradient slices of `parameters` by the whole gradient's norm, which it
+        returns. A collective."""
         return clip_grad_norm([self.shards[p].grad for p in parameters], max_norm, sharded=True)
 
 
@@ -254,7 +264,8 @@ class ZeRO2Optimizer(OptimizerOfViews):
 
 class FSDP(DataParallel):
     """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f),
-    with bf16 parameters on CUDA. The parameters become DTensors, each rank holding whole rows of
+    whose forward and backward take the parameters in config.dtype (FSDP's mixed precision). The
+    parameters become DTensors, each rank holding whole rows of
     dim 0. exact_reduction makes float64 the reduce dtype, in which unsynced gradients accumulate.
     The model's state_dict() and load_state_dict() give and take whole tensors (the hooks below)."""
 
@@ -262,7 +273,7 @@ class FSDP(DataParallel):
         # imported here: FSDP2 adds to every process's start-up, and only this mode uses it
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         exact = config.exact_reduction
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype],  # float32's is no cast
                                          reduce_dtype=torch.float64 if exact else torch.float32)
         for module in [*model.transformer.h, model]:
             fully_shard(module, mp_policy=mp_policy)

@@ -7,7 +7,7 @@ Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recom
 Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations, 16 tensors of s*b*h
 elements plus two 1-byte dropout masks, less the 5*a*s^2*b attention matrix that flash attention
 does not store. Here the two LayerNorm inputs are the float32 residual stream: 14 tensors at the
-activation width (2 bytes under CUDA's bf16 autocast, 4 on CPU) and 2 at 4 bytes.
+activation width (2 bytes under bfloat16 or float16 autocast, 4 in float32) and 2 at 4 bytes.
 """
 
 import dataclasses
@@ -48,11 +48,11 @@ def extra_copies(config, world_size):
     return 0, 0
 
 
-def plan(config, world_size, device_type, counts):
-    """Bytes per rank, by part, of a training step of `config` on `world_size` ranks of
-    `device_type` ("cuda": bf16 autocast; else float32), `counts` from count(). Returns
-    {part: bytes} whose last entry, "total", is their sum. With W = world_size:
-      parameters: /W in fsdp, plus zero2's slices, plus on CUDA the bf16 copies kept for the
+def plan(config, world_size, counts):
+    """Bytes per rank, by part, of a training step of `config` (its dtype: bfloat16, float16 or
+    float32) on `world_size` ranks, `counts` from count(). Returns {part: bytes} whose last entry,
+    "total", is their sum. With W = world_size:
+      parameters: /W in fsdp, plus zero2's slices, plus in 16 bits the copies kept for the
         backward (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
       gradients: as the parameters (/W in fsdp) plus extra_copies; exact_reduction's float64 sums
         twice that;
@@ -61,13 +61,13 @@ def plan(config, world_size, device_type, counts):
       logits: the (B, T, vocab) tensors alive at once around the loss."""
     W, P = world_size, counts["param_bytes"]
     s, b, h = config.seq_len, config.micro_batch_size, config.n_embd
-    cuda = device_type == "cuda"
-    e = 2 if cuda else 4  # bytes per activation element
+    half = config.dtype != "float32"
+    e = 2 if half else 4  # bytes per activation element
     fsdp = config.sharding == "fsdp"
     shard = W if fsdp else 1
     param_copies, grad_copies = extra_copies(config, W)
     parts = {"parameters": P / shard + P * param_copies}
-    if cuda:
+    if half:
         parts["parameters"] += 2 * (counts["root"] + 2 * counts["block"] if fsdp else counts["matmul"])
     parts["gradients"] = P / shard + P * grad_copies + (2 * P / shard if config.exact_reduction else 0)
     parts["optimizer state"] = counts["optimizer_bytes"] / (1 if config.sharding == "ddp" else W)
@@ -78,15 +78,15 @@ def plan(config, world_size, device_type, counts):
     if config.activation_checkpointing:  # the blocks' float32 inputs, and one block recomputed
         blocks = config.n_layer * 4 * sbh + layer
     parts["activations"] = blocks + sbh * (4 + e + (1 if config.dropout > 0 else 0))  # ln_f, drop
-    parts["logits"] = s * b * config.vocab_size * ((e + 4 + 4) if cuda else 8)  # (bf16,) float32, log-softmax
+    parts["logits"] = s * b * config.vocab_size * ((e + 4 + 4) if half else 8)  # (16-bit), fp32, log-softmax
     parts["total"] = sum(parts.values())
     return parts
 
 
-def max_micro_batch(config, world_size, device_type, counts, memory_bytes, usable=0.9):
+def max_micro_batch(config, world_size, counts, memory_bytes, usable=0.9):
     """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is for
     the CUDA context, fragmentation and kernel workspaces); 0 if not even one sequence fits."""
-    one = plan(dataclasses.replace(config, micro_batch_size=1), world_size, device_type, counts)
+    one = plan(dataclasses.replace(config, micro_batch_size=1), world_size, counts)
     per_sequence = one["activations"] + one["logits"]
     room = usable * memory_bytes - (one["total"] - per_sequence)
     return max(0, int(room // per_sequence))
@@ -113,10 +113,10 @@ def checked_summary(config, world_size, device, counts):
     """One line for train_gpt2.py's console: the plan's parts and total per rank on `device` (a
     torch.device), in GB (MB under 1 GB). Raises UserError, in one line, when the planned
     parameters, gradients and optimizer state per rank exceed available_bytes(device)."""
-    parts = plan(config, world_size, device.type, counts)
-    # refused only on what the optimizer step surely holds: not the activations, nor autocast's bf16
-    # copies (absent from the CPU plan) or exact_reduction's float64 sums, freed by then
-    surely = plan(dataclasses.replace(config, exact_reduction=False), world_size, "cpu", counts)
+    parts = plan(config, world_size, counts)
+    # refused only on what the optimizer step surely holds: not the activations, nor autocast's
+    # 16-bit copies (absent from the float32 plan) or exact_reduction's float64 sums, freed by then
+    surely = plan(dataclasses.replace(config, exact_reduction=False, dtype="float32"), world_size, counts)
     held = {part: surely[part] for part in ("parameters", "gradients", "optimizer state")}
     available = available_bytes(device)
     if available is not None and sum(held.values()) > available[0]:
@@ -128,4 +128,4 @@ def checked_summary(config, world_size, device, counts):
     unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
     sizes = ", ".join(f"{k} {v / scale:.2f} {unit}" for k, v in parts.items())
     return (f"memory plan per rank: {sizes} (micro_batch_size {config.micro_batch_size}, {config.sharding}, "
-            f"activation checkpointing {'on' if config.activation_checkpointing else 'off'})")
+            f"{config.dtype}, activation checkpointing {'on' if config.activation_checkpointing else 'off'})")

@@ -6,6 +6,7 @@ a JSON record to {out_dir}/log.jsonl and to the wandb or TensorBoard sinks confi
 import dataclasses
 import json
 import os
+import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -93,16 +94,18 @@ def start_profiler(config, rank):
     return profiler
 
 
-# dense bf16 tensor-core peak FLOP/s by device name, from NVIDIA's datasheets (SXM unless named)
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+# dense peak FLOP/s by device name, from NVIDIA's datasheets (SXM unless named): bfloat16 and float16
+# tensor cores, and float32 matmuls, which are TF32 tensor-core ones from Ampere on (train_gpt2.py
+# sets matmul precision "high"); V100 and T4 lack bf16 and TF32
+PEAK_FLOPS = [("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 495e12), ("H200", 989e12, 495e12),
+              ("A100", 312e12, 156e12), ("V100", 125e12, 15.7e12), ("T4", 65e12, 8.1e12)]
 
 
-def peak_flops(device):
-    """Peak bf16 FLOP/s of a CUDA device, or None for a device not in PEAK_BF16_FLOPS or a CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+def peak_flops(name, dtype):
+    """Peak FLOP/s of the GPU called `name` (torch.cuda.get_device_name) in `dtype` (a DTYPES name of
+    gpt2_ddp/precision.py), or None for a GPU not in PEAK_FLOPS."""
+    return next((half if dtype != "float32" else full for key, half, full in PEAK_FLOPS
+                 if key in name), None)
 
 
 def state_bytes(optimizer):
@@ -132,27 +135,32 @@ def close_sinks(sinks, failed):
 
 
 class Metrics:
-    """The reports of a run from start_step (its checkpoint's step, 0 for none) on. out: rank 0's
-    checkpoints.OutDir (None elsewhere); flops_per_step: training FLOPs per optimizer step, for MFU.
-    A collective: opens the sinks on rank 0, raising UserError on every rank if one fails."""
+    """The reports of a run from start_step (its checkpoint's step, 0 for none) on, and its profiler
+    (start_profiler). out: rank 0's checkpoints.OutDir (None elsewhere); flops_per_step: training
+    FLOPs per optimizer step, for MFU against the peak of config.dtype. A collective: opens the
+    sinks on rank 0, raising UserError on every rank if one fails."""
 
-    def __init__(self, out, config, world_size, device, flops_per_step, start_step):
+    def __init__(self, out, config, rank, world_size, device, flops_per_step, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
         self.flops_per_step, self.start_step = flops_per_step, start_step
-        self.peak = config.peak_flops or peak_flops(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        self.peak = config.peak_flops or peak_flops(name, config.dtype)
         self.dt_avg = 0.0  # seconds per step, for the ETA
         self.loss_avg = None  # the running mean of the train loss, for spikes
         if self.peak is None and device.type != "cpu":
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-            log(f"MFU not reported: no peak FLOP/s known for {name}; pass --peak_flops=<FLOP/s>")
+            log(f"MFU not reported: no {config.dtype} peak FLOP/s known for {name}; pass "
+                f"--peak_flops=<FLOP/s>")
         elif self.peak is None:  # a CPU's peak would be a guess that no one can act on
             log("MFU not reported on cpu: it is measured against a GPU's peak FLOP/s")
         self.sinks = agreed(lambda: open_sinks(out, config, start_step), master_only=True) or []
         # a run that an exception ends before close() still flushes its sinks, as a failed run's
         self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)
+        self.profiler = start_profiler(config, rank)
 
     def close(self):
-        """Flushes and closes the sinks at the end of the run (train() calls it)."""
+        """Stops the profiler, flushes and closes the sinks at the end of the run (train() calls it)."""
+        if self.profiler:
+            self.profiler.stop()
         self.closer.detach()
         close_sinks(self.sinks, failed=False)
 
@@ -169,20 +177,28 @@ class Metrics:
         log(f"step {step:5d} | {text}")
         self.write({"step": step, **result})
 
-    def train_step(self, step, loss, lr, norm, dt, skipped, optimizer):
-        """Reports the step-th update (counted from 1, as its checkpoint): loss (the mean over its
-        micro-batches), lr, norm (the gradient's before clipping), dt (seconds), whether the
-        update was skipped, Muon's lr as optimizer's Muon groups hold it, and in this run's first
-        the bytes of optimizer state this rank holds.
+    def train_step(self, step, loss, lr, norm, t0, optimizer, scaler, skipped, overflow):
+        """Reports the step-th update (counted from 1, as its checkpoint), begun at time.time() t0:
+        loss (the mean over its micro-batches), lr, norm (the gradient's before clipping), whether
+        the update was skipped and whether for float16's overflow (gpt2_ddp/precision.py), the loss
+        scale that the next step uses (float16's scaler), Muon's lr as optimizer's Muon groups hold
+        it, and in this run's first the bytes of optimizer state this rank holds.
         A loss over a nat above the running mean (e times its perplexity) gets a line of its own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU's work of the step is done
+        dt = time.time() - t0
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
         muon_lrs = [group["lr"] for group in optimizer.param_groups if "splits" in group]  # Muon's groups
         if muon_lrs:
             record["muon_lr"] = muon_lrs[0]
+        if scaler.is_enabled():
+            record["loss_scale"] = scaler.get_scale()
         if skipped:
             record["skipped"] = True
+        if overflow:
+            record["overflow"] = True
         if self.peak:
             record["mfu"] = self.flops_per_step / dt / (self.peak * self.world_size)
         if self.device.type == "cuda":
@@ -192,13 +208,17 @@ class Metrics:
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
         self.dt_avg = dt if step <= self.start_step + 2 else 0.9 * self.dt_avg + 0.1 * dt
         eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))
+        reason = f"float16 overflow, loss scale halved to {scaler.get_scale():g}" if overflow else (
+            "non-finite loss or gradient")
         log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e}"
             + (f" | muon_lr {record['muon_lr']:.4e}" if "muon_lr" in record else "")
             + f" | norm: {norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
             + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "") + f" | eta {eta}"
-            + (" | update skipped: non-finite loss or gradient" if skipped else ""))
+            + (f" | update skipped: {reason}" if skipped else ""))
         if not skipped:
             if self.loss_avg is not None and loss > self.loss_avg + 1:
                 log(f"step {step:5d} | loss spike: {loss:.6f}, the running mean is {self.loss_avg:.6f}")
             self.loss_avg = loss if self.loss_avg is None else 0.9 * self.loss_avg + 0.1 * loss
         self.write(record)
+        if self.profiler:
+            self.profiler.step()

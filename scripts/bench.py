@@ -8,6 +8,7 @@ MFU, peak GPU memory, where a step's time goes, and one rank's optimizer state a
     python -m scripts.bench configs/gpt2_124m.toml --variants compile --micro_batch_sizes 16 32 64
     python -m scripts.bench configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
     python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
+    python -m scripts.bench configs/gpt2_124m.toml --variants bfloat16 float16 float32
 
 Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra
 `--key=value` arguments, rank 0's trace in {out}/{variant}/trace_rank0.json; docs/perf.md explains
@@ -36,6 +37,9 @@ VARIANTS = {
     "fsdp": ["--sharding=fsdp"],
     "adamw": ["--optimizer=adamw"],
     "muon": ["--optimizer=muon"],
+    "bfloat16": ["--dtype=bfloat16"],
+    "float16": ["--dtype=float16"],  # with torch's loss scaler
+    "float32": ["--dtype=float32"],  # TF32 matmuls on Ampere and later
 }
 
 

@@ -4,6 +4,9 @@ largest micro-batch that fits, by sharding mode and activation checkpointing:
 
     python -m scripts.memory_plan configs/gpt2_1558m.toml --world_size 8 --gpu_memory 80
     python -m scripts.memory_plan configs/gpt2_774m.toml --sharding=fsdp --activation_checkpointing=true
+    python -m scripts.memory_plan configs/gpt2_124m.toml --world_size 1 --gpu_memory 16 --dtype=float16
+
+dtype=auto plans bfloat16, as on a GPU of compute capability 8.0 or later.
 """
 
 import dataclasses
@@ -21,18 +24,18 @@ def main(argv):
                                          usage="%(prog)s [CONFIG.toml] [--key=value ...] [options]")
     parser.add_argument("--world_size", type=int, default=8, help="ranks the model is sharded over")
     parser.add_argument("--gpu_memory", type=float, default=80, help="GB per GPU")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cuda plans bf16 activations, cpu float32 ones")
     args, config_args = parser.parse_known_args(argv)
     if args.world_size < 1:
         parser.error(f"--world_size must be >= 1, got {args.world_size}")
     if not 0 < args.gpu_memory < math.inf:
         parser.error(f"--gpu_memory must be a finite number of GB > 0, got {args.gpu_memory:g}")
     config = load_config(config_args)
+    if config.dtype == "auto":
+        config = dataclasses.replace(config, dtype="bfloat16")
     counts = memory_counts(config)
-    parts = memory_plan.plan(config, args.world_size, args.device, counts)
+    parts = memory_plan.plan(config, args.world_size, counts)
     print(f"{config.n_layer} layers, n_embd {config.n_embd}: {counts['params'] / 1e6:.0f}M "
-          f"parameters; {args.world_size} ranks of {args.device}, micro_batch_size "
+          f"parameters; {args.world_size} ranks, {config.dtype}, micro_batch_size "
           f"{config.micro_batch_size}, seq_len {config.seq_len}")
     unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
     print(f"{'per rank':<14}" + "".join(f"{k:>16}" for k in parts))
@@ -43,7 +46,7 @@ def main(argv):
     for sharding in SHARDINGS:
         fits = [memory_plan.max_micro_batch(
             dataclasses.replace(config, sharding=sharding, activation_checkpointing=ckpt),
-            args.world_size, args.device, counts, args.gpu_memory * GB) for ckpt in (False, True)]
+            args.world_size, counts, args.gpu_memory * GB) for ckpt in (False, True)]
         print(f"{sharding:<10}{fits[0]:>8}{fits[1]:>8}")
 
 

@@ -10,7 +10,6 @@ Tolerances: float32 on CPU agrees to 1e-4 relative; bfloat16 has 8 bits of manti
 rounding of 2**-9 = 2e-3 per operation), so bf16 results agree to 2e-2 relative.
 """
 
-import contextlib
 import math
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from conftest import (ROOT, TINY, make_shards, markov_tokens, read_log, run_training,
                       write_hellaswag)
-from gpt2_ddp import hellaswag, memory_plan, metrics, muon
+from gpt2_ddp import hellaswag, memory_plan, metrics, muon, precision
 from gpt2_ddp.shards import write_shard
 from train_gpt2 import GPT, Config, DataLoader, build_model, load_config, memory_counts
 
@@ -57,11 +56,14 @@ def full_float32_matmuls():
     torch.set_float32_matmul_precision(before)
 
 
+def auto_dtype(device):
+    """The dtype that dtype=auto picks on device: bfloat16 or float16 on CUDA, float32 elsewhere."""
+    return precision.resolve(Config(), device)[0].dtype
+
+
 def training_autocast(device):
-    """What train_gpt2.train() runs the forward under: bf16 autocast on CUDA, float32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """What train_gpt2.train() runs the forward under with dtype=auto."""
+    return precision.autocast(auto_dtype(device), device)
 
 
 def relative_error(a, b):
@@ -189,9 +191,11 @@ def test_fused_adamw_agrees_with_unfused(device):
 def test_mfu_and_memory_are_logged(device, tmp_path):
     """A run logs MFU each step: the training FLOPs of a step (6N + 12 L H Q T per token, counted
     here from GPT-2's parameter count) over dt and the peak, by GPU name where it is known
-    (metrics.PEAK_BF16_FLOPS) or from --peak_flops; on CUDA the peak of allocated memory too."""
+    (metrics.PEAK_FLOPS, for dtype=auto's dtype) or from --peak_flops; on CUDA the peak of allocated
+    memory too."""
     make_shards(tmp_path / "data")
-    peak = metrics.peak_flops(device)
+    peak = (metrics.peak_flops(torch.cuda.get_device_name(device), auto_dtype(device))
+            if device.type == "cuda" else None)
     args = [*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
             "--max_steps=3", "--total_batch_size=64", f"--device={device.type}",
             *([] if peak else ["--peak_flops=1e12"])]
@@ -279,18 +283,21 @@ def test_the_loader_copies_pinned_batches_to_the_gpu(cuda, tiny_data):
         assert x.device.type == "cuda" and torch.equal(x.cpu(), cpu_x) and torch.equal(y.cpu(), cpu_y)
 
 
-@pytest.mark.parametrize("mode,optimizer,world_size", [
-    ("ddp", "adamw", 1), ("zero2", "adamw", 1), ("fsdp", "adamw", 1),
-    ("ddp", "muon", 1), ("zero2", "muon", 1), ("fsdp", "muon", 1),
-    ("ddp", "adamw", 2), ("zero2", "adamw", 2), ("fsdp", "adamw", 2)])
-def test_sharding_modes_train_over_nccl(cuda, tmp_path, mode, optimizer, world_size):
-    """Each sharding mode and optimizer trains under torchrun over NCCL, compiled, in bf16: the
-    loss falls and every step is finite; at world size 2 where two GPUs exist."""
+@pytest.mark.parametrize("mode,optimizer,world_size,dtype", [
+    ("ddp", "adamw", 1, "auto"), ("zero2", "adamw", 1, "auto"), ("fsdp", "adamw", 1, "auto"),
+    ("ddp", "muon", 1, "auto"), ("zero2", "muon", 1, "auto"), ("fsdp", "muon", 1, "auto"),
+    ("ddp", "adamw", 2, "auto"), ("zero2", "adamw", 2, "auto"), ("fsdp", "adamw", 2, "auto"),
+    ("ddp", "adamw", 1, "float16"), ("zero2", "muon", 1, "float16"), ("fsdp", "adamw", 1, "float16"),
+    ("ddp", "adamw", 1, "float32"), ("fsdp", "muon", 1, "float32")])
+def test_sharding_modes_train_over_nccl(cuda, tmp_path, mode, optimizer, world_size, dtype):
+    """Each sharding mode and optimizer trains under torchrun over NCCL, compiled, in dtype=auto's
+    dtype and in float16 (loss-scaled) and float32: the loss falls and every step is finite; at
+    world size 2 where two GPUs exist."""
     if world_size > torch.cuda.device_count():
         pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     make_shards(tmp_path / "data", n_train=20000)
     run_training([*TINY, "--compile=true", f"--sharding={mode}", f"--optimizer={optimizer}",
-                  f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                  f"--dtype={dtype}", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
                   "--max_steps=30", "--total_batch_size=128"], world_size, torchrun=True)
     steps, evals = read_log(tmp_path / "out")
     assert len(steps) == 30 and all(math.isfinite(r["loss"]) for r in steps)
@@ -347,8 +354,8 @@ def test_memory_plan_within_10_percent_of_the_allocator(cuda, tmp_path, micro_ba
             "--sample_interval=0", "--hellaswag_interval=0"]
     run_training(args)
     measured = max(r["mem_gb"] for r in read_log(tmp_path / "out")[0]) * 2**30
-    config = load_config(args)
-    planned = memory_plan.plan(config, 1, "cuda", memory_counts(config))["total"]
+    config = precision.resolve(load_config(args), cuda)[0]
+    planned = memory_plan.plan(config, 1, memory_counts(config))["total"]
     assert abs(planned - measured) / measured < 0.10, (planned / 2**30, measured / 2**30)
 
 
@@ -368,16 +375,20 @@ def test_a_cuda_checkpoint_resumes_and_samples_on_cpu(cuda, tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout + proc.stderr
 
 
-def test_bf16_gpu_run_ends_within_2_percent_of_a_float32_cpu_run(cuda, tmp_path):
-    """The same 200 steps (seed, data, model) on the GPU in bf16 and on the CPU in float32 end
-    with train and val losses within 2% of each other."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_gpu_run_ends_within_2_percent_of_a_float32_cpu_run(cuda, tmp_path, dtype):
+    """The same 200 steps (seed, data, model) on the GPU in bfloat16 or float16 (loss-scaled) and on
+    the CPU in float32 end with train and val losses within 2% of each other."""
+    if dtype == "bfloat16" and torch.cuda.get_device_capability(cuda) < (8, 0):
+        pytest.skip("bfloat16 needs compute capability 8.0")
     make_shards(tmp_path / "data", n_train=100000, n_val=5000)
     common = [*TINY, "--n_layer=2", "--n_embd=64", "--micro_batch_size=8", "--seq_len=32",
               "--total_batch_size=256", "--max_steps=200", "--eval_interval=200", "--val_batches=8",
               "--warmup_steps=20", f"--data_dir={tmp_path / 'data'}"]
     ends = {}
     for name in ("cuda", "cpu"):
-        run_training([*common, f"--device={name}", f"--out_dir={tmp_path / name}"])
+        run_training([*common, f"--device={name}", f"--dtype={dtype if name == 'cuda' else 'float32'}",
+                      f"--out_dir={tmp_path / name}"])
         steps, evals = read_log(tmp_path / name)
         ends[name] = (steps[-1]["loss"], evals[-1]["val_loss"])
     for gpu, cpu in zip(ends["cuda"], ends["cpu"]):

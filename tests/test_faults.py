@@ -166,8 +166,9 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     run_training(args)
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000005.pt", "ckpt_0000006.pt"]
     ckpt = torch.load(tmp_path / "ckpt_0000006.pt", weights_only=True)  # no pickled code inside
-    assert set(ckpt) == {"model", "optimizer", "config", "step", "loader", "evaluated", "version",
-                         "sha256"}
+    assert set(ckpt) == {"model", "optimizer", "scaler", "config", "step", "loader", "evaluated",
+                         "version", "sha256"}
+    assert ckpt["scaler"] == {} and ckpt["config"]["dtype"] == "float32"  # dtype=auto on the CPU
     assert ckpt["step"] == 6 and ckpt["loader"]["tokens"] == 6 * 64
     assert ckpt["loader"]["shards"] == [[p.name, (p.stat().st_size - 1024) // 2]
                                         for p in sorted(data_dir.glob("*_train_*.bin"))]

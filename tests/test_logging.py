@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 import types
 
 import numpy as np
@@ -129,8 +130,8 @@ def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path
         init = run[0][1]
         assert (init["id"], init["resume"], init["project"], init["name"], init["dir"]) == (
             asked_id, "allow", "gpt2", None, str(out))
-        assert init["config"] == dataclasses.asdict(load_config([*common,
-                                                                 f"--max_steps={max_steps}"]))
+        assert init["config"] == dataclasses.asdict(load_config([  # the dtype that dtype=auto ran
+            *common, f"--max_steps={max_steps}", "--dtype=float32"]))
         assert run[1:3] == [("define_metric", "step", None), ("define_metric", "*", "step")]
         assert run[-1] == ("finish", 0)
 
@@ -216,12 +217,13 @@ def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(cap
     """A loss over a nat above the running mean is named with its step; the mean's own noise and
     a skipped (non-finite) step are not. Under optimizer=muon each step says Muon's lr too."""
     config = load_config([*TINY, "--optimizer=muon", "--max_lr=1e-3", "--muon_lr=0.02", "--max_steps=8"])
-    metrics = train_gpt2.Metrics(None, config, 1, torch.device("cpu"), 1.0, 0)
+    metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), 1.0, 0)
     optimizer = GPT(config).configure_optimizers(config, "cpu")
     for group in optimizer.param_groups:  # as the loop sets them for lr 1e-3
         group["lr"] = 1e-3 * group["lr_scale"]
     for step, loss in enumerate([6.0, 6.5, 5.9, 6.0, float("inf"), 7.2, 6.1], start=1):
-        metrics.train_step(step, loss, 1e-3, 1.0, 0.1, not np.isfinite(loss), optimizer)
+        metrics.train_step(step, loss, 1e-3, 1.0, time.time() - 0.1, optimizer,
+                           torch.amp.GradScaler("cpu", enabled=False), not np.isfinite(loss), False)
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "spike" in line] == [
         "step     6 | loss spike: 7.200000, the running mean is 6.031500"]

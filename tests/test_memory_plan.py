@@ -11,18 +11,19 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, make_shards, read_log, run_training
-from gpt2_ddp import memory_plan
+from gpt2_ddp import memory_plan, precision
 from gpt2_ddp.configurator import UserError
 from scripts.memory_plan import main as memory_plan_main
 from train_gpt2 import GPT, Config, load_config, memory_counts, meta_model
 
 SMALL = Config(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512, micro_batch_size=4,
-               seq_len=128, sharding="ddp")
+               seq_len=128, sharding="ddp", dtype="float32")
 
 
 def measure(config):
     """Bytes of parameters, gradients, optimizer state and saved activations (each storage once,
-    parameters excluded), as a dict, after one training step of `config` on the CPU."""
+    parameters and autocast's 16-bit copies of them excluded), as a dict, after one training step
+    of `config` on the CPU, under its dtype's autocast."""
     torch.manual_seed(0)
     model = GPT(config).train()
     idx = torch.randint(0, config.vocab_size, (config.micro_batch_size, config.seq_len))
@@ -35,7 +36,8 @@ def measure(config):
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            precision.autocast(config.dtype, torch.device("cpu")):
         _, loss = model(idx, idx)
         if config.activation_checkpointing:  # one block as the backward recomputes it
             x = torch.randn(config.micro_batch_size, config.seq_len, config.n_embd, requires_grad=True)
@@ -49,19 +51,26 @@ def measure(config):
 
     state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     logits = config.micro_batch_size * config.seq_len * config.vocab_size * 4  # log-softmax
-    return {"parameters": size(model.parameters()),
+    copies = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if config.dtype == "float32":
+        copies = 0
+    return {"parameters": size(model.parameters()) + copies,
             "gradients": size(p.grad for p in model.parameters()),
-            "optimizer state": size(state), "activations": sum(saved.values()) - logits}
+            "optimizer state": size(state), "activations": sum(saved.values()) - logits - copies}
 
 
-@pytest.mark.parametrize("checkpointing, optimizer", [(False, "adamw"), (True, "muon")])
-def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer):
+@pytest.mark.parametrize("checkpointing, optimizer, dtype", [(False, "adamw", "float32"),
+                                                             (True, "muon", "float32"),
+                                                             (False, "adamw", "bfloat16")])
+def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer, dtype):
     """Parameters, gradients and optimizer state (AdamW's two moments, or Muon's momentum for the
-    blocks' matrices and AdamW's for the rest) exactly; the tensors saved for the backward (with
-    checkpointing: the blocks' inputs, and one block recomputed) within 3%: the formula leaves out
-    a few (B, T) index and statistics tensors."""
-    config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing, optimizer=optimizer)
-    planned = memory_plan.plan(config, 1, "cpu", memory_counts(config))
+    blocks' matrices and AdamW's for the rest) exactly, and under bfloat16 autocast its 16-bit
+    copies of the matmul weights; the tensors saved for the backward (with checkpointing: the
+    blocks' inputs, and one block recomputed; under autocast, 16-bit but for the float32 residual
+    stream) within 3%: the formula leaves out a few (B, T) index and statistics tensors."""
+    config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing, optimizer=optimizer,
+                                 dtype=dtype)
+    planned = memory_plan.plan(config, 1, memory_counts(config))
     measured = measure(config)
     for part in ("parameters", "gradients", "optimizer state"):
         assert measured[part] == planned[part], part
@@ -85,10 +94,10 @@ def test_the_plan_counts_the_model_and_optimizer_that_training_builds():
 
 
 def test_sharding_and_checkpointing_fit_larger_micro_batches():
-    config = load_config([str(ROOT / "configs" / "gpt2_1558m.toml")])
+    config = load_config([str(ROOT / "configs" / "gpt2_1558m.toml"), "--dtype=bfloat16"])
     gb80, counts = 80 * memory_plan.GB, memory_counts(config)
     fits = {(mode, ckpt): memory_plan.max_micro_batch(
-        dataclasses.replace(config, sharding=mode, activation_checkpointing=ckpt), 8, "cuda", counts,
+        dataclasses.replace(config, sharding=mode, activation_checkpointing=ckpt), 8, counts,
         gb80) for mode in ("ddp", "zero2", "fsdp") for ckpt in (False, True)}
     for ckpt in (False, True):
         assert fits[("ddp", ckpt)] < fits[("zero2", ckpt)] < fits[("fsdp", ckpt)]
@@ -96,9 +105,9 @@ def test_sharding_and_checkpointing_fit_larger_micro_batches():
         assert fits[(mode, False)] < fits[(mode, True)]
     # the largest fits 90% of the memory, one more does not; the shipped config is among those
     largest = dataclasses.replace(config, micro_batch_size=fits[("zero2", False)])
-    assert memory_plan.plan(largest, 8, "cuda", counts)["total"] <= 0.9 * gb80
+    assert memory_plan.plan(largest, 8, counts)["total"] <= 0.9 * gb80
     one_more = dataclasses.replace(largest, micro_batch_size=largest.micro_batch_size + 1)
-    assert memory_plan.plan(one_more, 8, "cuda", counts)["total"] > 0.9 * gb80
+    assert memory_plan.plan(one_more, 8, counts)["total"] > 0.9 * gb80
     assert config.sharding == "zero2" and config.micro_batch_size <= fits[("zero2", False)]
 
 
@@ -107,7 +116,7 @@ def test_script_prints_the_plan_and_what_fits():
                            "--world_size", "8", "--gpu_memory", "80"], cwd=ROOT, capture_output=True,
                           text=True, check=True)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("48 layers, n_embd 1600: 1558M parameters; 8 ranks of cuda")
+    assert lines[0].startswith("48 layers, n_embd 1600: 1558M parameters; 8 ranks, bfloat16")
     assert lines[1].split()[-1] == "total" and lines[2].startswith("planned GB")
     assert lines[1].split()[3:6] == ["gradients", "optimizer", "state"]  # the headers kept apart
     assert [line.split()[0] for line in lines[-3:]] == ["ddp", "zero2", "fsdp"]
@@ -135,8 +144,10 @@ def test_a_model_whose_state_exceeds_the_available_memory_is_refused(monkeypatch
                                  exact_reduction=True)
     counts = memory_counts(config)
     held = 16 * counts["params"]
-    for device, total in ((torch.device("cpu"), 63.7), (torch.device("cuda:1"), 54.2)):
-        assert memory_plan.plan(config, 1, device.type, counts)["total"] > 20 * held
+    for device, dtype, total in ((torch.device("cpu"), "float32", 63.7),
+                                 (torch.device("cuda:1"), "bfloat16", 54.2)):
+        config = dataclasses.replace(config, dtype=dtype)
+        assert memory_plan.plan(config, 1, counts)["total"] > 20 * held
         monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held, f"{d} has enough"))
         assert memory_plan.checked_summary(config, 1, device, counts).startswith("memory plan per rank")
         monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held - 1, f"{d} has too little"))
@@ -174,6 +185,6 @@ def test_gpt2_1558m_config_runs_on_cpu_with_tiny_sizes(tmp_path, tiny_data):
                         f"--out_dir={tmp_path}", "--total_batch_size=64", "--max_steps=3",
                         "--hellaswag_interval=0", "--val_batches=2", "--activation_checkpointing=true",
                         "--warmup_steps=1"]).stdout
-    assert "memory plan per rank: parameters" in out and "zero2, activation checkpointing on" in out
+    assert "memory plan per rank: parameters" in out and "zero2, float32, activation checkpointing on" in out
     steps, _ = read_log(tmp_path)
     assert [s["step"] for s in steps] == [1, 2, 3]

@@ -51,6 +51,7 @@ def test_overrides_cast_to_field_types(tmp_path):
                           "--eval_interval=0"),
     (["--device=tpu"], "'device' must be auto, cpu, mps, cuda or cuda:N, got 'tpu'"),
     (["--sharding=zero3"], "'sharding' must be ddp, zero2 or fsdp, got 'zero3'"),
+    (["--dtype=fp8"], "'dtype' must be auto, bfloat16, float16 or float32, got 'fp8'"),
     (["--max_steps=1e30"], "cannot read '1e30' as int"),  # beyond int64: OverflowError mid-run
     (["--collective_timeout_s=1e14"], "'collective_timeout_s' must be > 0 and <= 1e8"),
     (["--peak_flops=-1"], "'peak_flops' must be >= 0, got -1.0"),
@@ -424,20 +425,22 @@ def test_flops_per_token_of_gpt2_124m():
     assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024  # ~0.86 GFLOP
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("NVIDIA GeForce RTX 4090", None)])
-def test_peak_flops_by_device_name(monkeypatch, name, peak):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
-    assert metrics.peak_flops(torch.device("cuda:0")) == peak
-    assert metrics.peak_flops(torch.device("cpu")) is None
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 80GB HBM3", "float32", 495e12),
+    ("NVIDIA H100 PCIe", "float16", 756e12), ("NVIDIA H200", "bfloat16", 989e12),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12), ("NVIDIA A100-SXM4-80GB", "float32", 156e12),
+    ("Tesla V100-SXM2-16GB", "float16", 125e12), ("Tesla T4", "float16", 65e12),
+    ("Tesla T4", "float32", 8.1e12), ("NVIDIA GeForce RTX 4090", "bfloat16", None), ("cpu", "float32", None)])
+def test_peak_flops_by_device_name_and_dtype(name, dtype, peak):
+    """float32's peak is TF32's from Ampere on (matmul precision "high"), plain float32's before."""
+    assert metrics.peak_flops(name, dtype) == peak
 
 
 def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path, capsys):
-    """On a GPU in PEAK_BF16_FLOPS each step logs mfu = FLOPs per step / dt / peak; here a CPU
+    """On a GPU in PEAK_FLOPS each step logs mfu = FLOPs per step / dt / peak; here a CPU
     stands in, given a made-up peak, since CI has no GPU."""
     peak = 1e9
-    monkeypatch.setattr(metrics, "peak_flops", lambda device: peak)
+    monkeypatch.setattr(metrics, "peak_flops", lambda name, dtype: peak)
     train_gpt2.main([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
                      "--total_batch_size=64", "--max_steps=3"])
     steps, _ = read_log(tmp_path)

@@ -127,12 +127,15 @@ class NanGradient(torch.autograd.Function):
 POISONS = {"nan_loss": lambda loss: loss * float("nan"), "nan_gradient": NanGradient.apply}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("poison", sorted(POISONS))
 def test_a_skipped_non_finite_step_changes_no_weight_and_no_optimizer_state(data_dir, tmp_path,
-                                                                           monkeypatch, poison):
+                                                                           monkeypatch, poison, dtype):
     """A forward patched to make the last update's loss NaN, or its gradient NaN under a finite
     loss: the update is skipped and logged so, and the checkpoint saved after it holds bitwise the
-    weights and optimizer state of the one before (which an update does change)."""
+    weights and optimizer state of the one before (which an update does change). Under float16 the
+    NaN gradient is what an overflow looks like to the loss scaler, and is logged as one; the NaN
+    loss is not."""
     forward, calls = train_gpt2.GPT.forward, []
 
     def poisoned(self, idx, targets=None, cache=None):
@@ -145,9 +148,11 @@ def test_a_skipped_non_finite_step_changes_no_weight_and_no_optimizer_state(data
 
     monkeypatch.setattr(train_gpt2.GPT, "forward", poisoned)
     assert train_gpt2.main([*TINY, "--total_batch_size=128", "--max_steps=3", "--eval_interval=0",
-                            "--checkpoint_interval=1", "--keep_checkpoints=0",
+                            "--checkpoint_interval=1", "--keep_checkpoints=0", f"--dtype={dtype}",
                             f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
-    assert [r.get("skipped", False) for r in read_log(tmp_path)[0]] == [False, False, True]
+    steps = read_log(tmp_path)[0]
+    assert [r.get("skipped", False) for r in steps] == [False, False, True]
+    assert steps[-1].get("overflow", False) == (dtype == "float16" and poison == "nan_gradient")
 
     def tensors(step):
         ckpt = checkpoints.load(tmp_path / f"ckpt_{step:07d}.pt")

@@ -1,0 +1,88 @@
+"""
+The arithmetic of a run, from config.dtype: bfloat16 or float16 autocast (float32 weights, optimizer
+and loss; matmuls and attention in 16 bits) or float32 throughout, and torch's loss scaler, on for
+float16 alone. dtype=auto picks bfloat16 on CUDA GPUs with bf16 tensor cores (compute capability 8.0
+on), float16 on older ones (nanoGPT's choice) and float32 on CPU and MPS. The same autocast runs on
+every device, so the CPU tests run a GPU's casts.
+"""
+
+import dataclasses
+import math
+import warnings
+from contextlib import nullcontext
+
+import torch
+
+from gpt2_ddp.configurator import UserError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve(config, device):
+    """(config with the dtype that runs, a line saying which and why): config.dtype, or the one
+    dtype=auto picks for `device`. Raises UserError for bfloat16 on a CUDA GPU without bf16 tensor
+    cores, or a dtype that this device or this torch cannot autocast (check_runs)."""
+    dtype, why = config.dtype, f"set by dtype={config.dtype}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        gpu = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+        if dtype == "auto":
+            dtype = "bfloat16" if major >= 8 else "float16"
+            why = f"dtype=auto: {gpu} {'has' if major >= 8 else 'lacks'} bfloat16 tensor cores"
+        elif dtype == "bfloat16" and major < 8:
+            raise UserError(f"--dtype=bfloat16: {gpu} has no bfloat16 tensor cores (8.0 and later "
+                            f"do); pass --dtype=float16, which scales the loss, or --dtype=auto")
+    elif dtype == "auto":
+        dtype, why = "float32", (f"dtype=auto on {device.type}: full precision; --dtype=bfloat16 "
+                                 f"runs a GPU's casts here too")
+    check_runs(dtype, device)
+    scaling = " with loss scaling" if dtype == "float16" else ""
+    return dataclasses.replace(config, dtype=dtype), f"dtype {dtype}{scaling}: {why}"
+
+
+def check_runs(dtype, device):
+    """Raises UserError, in one line, when autocast to `dtype` (and for float16 the loss scaler)
+    does not run on `device` with this torch: one small matmul's forward and backward tell."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch turns autocast off with a warning where it cannot run
+            w = torch.ones(2, 2, device=device, requires_grad=True)
+            with autocast(dtype, device):
+                y = w @ w
+            if y.dtype != DTYPES[dtype]:
+                raise RuntimeError(f"autocast gave {y.dtype}")
+            scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+            scaler.scale(y.float().sum()).backward()
+            scaler.unscale_(torch.optim.SGD([w]))
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"--dtype={dtype} does not run on {device} with torch {torch.__version__} "
+                        f"({(str(e).strip().splitlines() or [''])[0]}): pass --dtype=float32") from None
+
+
+def autocast(dtype, device):
+    """The context every forward of a run goes under: torch.autocast to `dtype` (a DTYPES name) on
+    `device`'s type, or nothing for float32."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def grad_scaler(dtype, sharding, device):
+    """torch's loss scaler (Micikevicius et al. 2018), off unless `dtype` is float16. Its found-inf
+    flag must be the same on every rank: zero2's gradient slices need torch's sharded scaler, which
+    all-reduces it; fsdp's DTensors get it all-reduced by DTensor's own dispatch; ddp's gradients
+    are the same everywhere."""
+    enabled = dtype == "float16"
+    if enabled and sharding == "zero2":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's import is slow
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def overflowed(scaler, loss, norm):
+    """Whether an update skipped for a non-finite gradient norm under a finite loss was float16's
+    normal overflow, which the scaler answers by halving its scale (after scaler.update()). An
+    overflow at a scale under 1 is the gradient's own, unscaled: a divergence, like a non-finite
+    loss."""
+    return (not math.isfinite(norm) and math.isfinite(loss) and scaler.is_enabled()
+            and scaler.get_scale() >= 0.5)  # halved from 1 or more

@@ -1,0 +1,238 @@
+"""dtype: bfloat16 and float16 autocast, float16 with torch's loss scaler, in every sharding mode and
+with Muon, on the CPU, as a GPU runs them; what dtype=auto picks, and dtypes that cannot run.
+
+The runs are the EQUIV config (exact_reduction, dropout, biases, HellaSwag) for 8 steps, launched
+for real (tests/fp16_probe.py around train_gpt2.py, under torchrun at world size 2). In each dtype,
+ddp and zero2 at world size 2 are bitwise ddp's one-process run, and fsdp's two processes are
+bitwise its one: fsdp casts the parameters to the dtype (FSDP's mixed precision) where autocast casts
+per op, so its losses agree with ddp's to the dtype's rounding (rtol 1e-3), not bitwise. float16's
+runs overflow in steps 2 to 5, in one rank's part of the gradient (tests/fp16_probe.py).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import EQUIV, ROOT, hellaswag_args, read_log, run_training
+from gpt2_ddp import checkpoints, precision, runs
+from gpt2_ddp.configurator import UserError
+from scripts.check_equivalence import max_diff
+from train_gpt2 import MAX_SKIPPED_STEPS, load_config
+import train_gpt2
+
+STEPS, CHECKPOINT_STEP = 8, 6
+OVERFLOW_STEPS = [2, 3, 4, 5]  # more in a row than MAX_SKIPPED_STEPS, yet not a divergence
+# each dtype runs every mode at world sizes 1 and 2 (ddp's one process is zero2's reference), and
+# Muon in some of them
+RUNS = {"bfloat16": [("ddp", "adamw", 1), ("ddp", "adamw", 2), ("zero2", "adamw", 2),
+                     ("fsdp", "muon", 1), ("fsdp", "muon", 2)],
+        "float16": [("ddp", "muon", 1), ("ddp", "muon", 2), ("zero2", "muon", 2),
+                    ("fsdp", "adamw", 1), ("fsdp", "adamw", 2)]}
+
+
+def precision_args(data_dir, dtype, mode, optimizer):
+    return [*EQUIV, f"--data_dir={data_dir}", *hellaswag_args(data_dir), f"--dtype={dtype}",
+            f"--sharding={mode}", f"--optimizer={optimizer}", f"--max_steps={STEPS}",
+            "--eval_interval=4", "--hellaswag_interval=8", f"--checkpoint_interval={CHECKPOINT_STEP}"]
+
+
+def start(args, world_size, out, overflow_steps=()):
+    """Starts training `args` into `out` at world_size under tests/fp16_probe.py."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PROBE_OUT=str(out),
+               PROBE_OVERFLOW_STEPS=",".join(map(str, overflow_steps)))
+    return subprocess.Popen([sys.executable, *(launcher if world_size > 1 else []),
+                             str(ROOT / "tests" / "fp16_probe.py"), *args, f"--out_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def finish(proc, world_size, out):
+    """Waits for a start()ed run; returns its log's train records, val losses and HellaSwag records,
+    its final weights, each rank's probe records, its console and out."""
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout + stderr
+    steps, evals, hellaswag = runs.split_records(runs.read_log(out))
+    return {"steps": steps, "val_loss": [e["val_loss"] for e in evals], "hellaswag": hellaswag,
+            "model": torch.load(checkpoints.listed(out)[-1], weights_only=True)["model"],
+            "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)],
+            "stdout": stdout, "out": out}
+
+
+@pytest.fixture(scope="module")
+def precision_runs(equiv_data_dir, tmp_path_factory):
+    """{dtype: {(mode, world_size): finish()'s result}}, float16's with its overflows. The
+    one-process runs, one thread each, run side by side; then each two-process run alone."""
+    def run(dtype, mode, optimizer, n):
+        out = tmp_path_factory.mktemp(f"{dtype}_{mode}_{n}")
+        args = precision_args(equiv_data_dir, dtype, mode, optimizer)
+        return start(args, n, out, OVERFLOW_STEPS if dtype == "float16" else ()), n, out
+
+    specs = [(dtype, mode, optimizer, n) for dtype in RUNS for mode, optimizer, n in RUNS[dtype]]
+    side_by_side = {(dtype, mode, n): run(dtype, mode, optimizer, n)
+                    for dtype, mode, optimizer, n in specs if n == 1}
+    results = {key: finish(*started) for key, started in side_by_side.items()}
+    results.update({(dtype, mode, n): finish(*run(dtype, mode, optimizer, n))
+                    for dtype, mode, optimizer, n in specs if n > 1})
+    return {dtype: {(mode, n): results[(dtype, mode, n)] for mode, _, n in RUNS[dtype]} for dtype in RUNS}
+
+
+def assert_bitwise_same(run, reference):
+    for key in ("val_loss", "hellaswag"):
+        assert run[key] == reference[key], key
+    for field in ("loss", "grad_norm", "loss_scale", "skipped"):
+        assert [s.get(field) for s in run["steps"]] == [s.get(field) for s in reference["steps"]], field
+    assert max_diff(run["model"], reference["model"]) == 0.0
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("dtype", RUNS)
+def test_every_mode_trains_bitwise_the_same_run_at_world_sizes_1_and_2(dtype, precision_runs,
+                                                                       equiv_runs):
+    """In exact mode each dtype keeps the promise of float32: ddp and zero2 at world size 2 are ddp's
+    one process, fsdp's two are its one. The runs are autocast's, not float32's (equiv_runs): the
+    step-1 loss and the step-0 val loss, on the same weights and batches, differ; fsdp's parameter
+    cast makes its losses differ from ddp's, to rounding; Muon's runs log its lr."""
+    runs_ = precision_runs[dtype]
+    ddp, fsdp = runs_[("ddp", 1)], runs_[("fsdp", 1)]
+    assert_bitwise_same(runs_[("ddp", 2)], ddp)
+    assert_bitwise_same(runs_[("zero2", 2)], ddp)
+    assert_bitwise_same(runs_[("fsdp", 2)], fsdp)
+    float32 = equiv_runs[1]
+    for run in (ddp, fsdp):
+        assert len(run["steps"]) == STEPS and len(run["hellaswag"]) == 2
+        assert run["steps"][0]["loss"] != float32["loss"][0]
+        assert run["steps"][0]["loss"] == pytest.approx(float32["loss"][0], rel=1e-3)
+        assert run["val_loss"][0] != float32["val_loss"][0]
+    assert fsdp["steps"][0]["loss"] != ddp["steps"][0]["loss"]
+    assert fsdp["steps"][0]["loss"] == pytest.approx(ddp["steps"][0]["loss"], rel=1e-3)
+    for mode, optimizer, n in RUNS[dtype]:
+        assert ("muon_lr" in runs_[(mode, n)]["steps"][0]) == (optimizer == "muon"), (mode, n)
+        assert ("loss_scale" in runs_[(mode, n)]["steps"][0]) == (dtype == "float16")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("mode", ["ddp", "zero2", "fsdp"])
+def test_float16_overflows_skip_the_update_halve_the_scale_and_the_run_goes_on(mode, precision_runs):
+    """Four overflows in a row (more than MAX_SKIPPED_STEPS) are skipped and logged with the halved
+    scale, and the run ends normally. In zero2 and fsdp only rank 0 holds the overflowing element,
+    yet both ranks skip the same updates and keep the same scale: the found-inf flag is all-reduced."""
+    run = precision_runs["float16"][(mode, 2)]
+    assert len(OVERFLOW_STEPS) > MAX_SKIPPED_STEPS
+    scales = [2.0**16] + [2.0**16 / 2**k for k in range(1, 5)] + [2.0**12] * 3
+    assert [s["loss_scale"] for s in run["steps"]] == scales
+    for record in run["steps"]:
+        overflow = record["step"] in OVERFLOW_STEPS
+        assert record.get("skipped", False) == record.get("overflow", False) == overflow
+    assert "update skipped: float16 overflow, loss scale halved to 32768" in run["stdout"]
+    assert "diverged" not in run["stdout"] and run["steps"][-1]["step"] == STEPS
+    ranks = run["ranks"]
+    assert [r["stepped"] for r in ranks[0]] == [s not in OVERFLOW_STEPS for s in range(1, STEPS + 1)]
+    assert ranks[1] == ranks[0]
+    assert [r["scale"] for r in ranks[0]] == scales
+
+
+def copy_checkpoint(run, out):
+    """`run`'s checkpoint of CHECKPOINT_STEP and its log, copied into out to resume from."""
+    shutil.copy(checkpoints.path_of(run["out"], CHECKPOINT_STEP), out)
+    shutil.copy(run["out"] / "log.jsonl", out)
+
+
+@pytest.mark.compat
+def test_a_float16_resume_continues_the_loss_scale_bitwise_in_another_mode_and_world_size(
+        precision_runs, equiv_data_dir, tmp_path):
+    """zero2's two processes saved step 6 at a loss scale of 4096, after their overflows; one ddp
+    process resumes it and logs the same steps 7 and 8, loss scale included, and ends with the
+    same weights."""
+    reference = precision_runs["float16"][("zero2", 2)]
+    saved = torch.load(checkpoints.path_of(reference["out"], CHECKPOINT_STEP), weights_only=True)
+    assert saved["scaler"]["scale"] == 2.0**12 and saved["config"]["dtype"] == "float16"
+    copy_checkpoint(reference, tmp_path)
+    proc = run_training([*precision_args(equiv_data_dir, "float16", "ddp", "muon"), f"--out_dir={tmp_path}"])
+    assert "resumed from" in proc.stdout and "dtype changes" not in proc.stdout
+    steps = read_log(tmp_path)[0]
+    fields = ("step", "loss", "grad_norm", "lr", "loss_scale")
+    assert [[s[f] for f in fields] for s in steps] == [[s[f] for f in fields] for s in reference["steps"]]
+    final = torch.load(checkpoints.listed(tmp_path)[-1], weights_only=True)["model"]
+    assert max_diff(final, reference["model"]) == 0.0
+
+
+def test_a_resume_in_another_dtype_says_so_and_starts_the_scaler_anew(precision_runs, equiv_data_dir,
+                                                                       tmp_path, capsys):
+    """bfloat16's checkpoint resumed in float16 (in this process, in the default mode): one line
+    says so, and the loss scaler starts at torch's initial scale."""
+    copy_checkpoint(precision_runs["bfloat16"][("ddp", 1)], tmp_path)
+    assert train_gpt2.main([*precision_args(equiv_data_dir, "float16", "ddp", "adamw"),
+                            "--exact_reduction=false", f"--out_dir={tmp_path}"]) == 0
+    assert ("the dtype changes from the checkpoint's bfloat16 to float16; the loss scaler starts "
+            "anew") in capsys.readouterr().out
+    assert [s.get("loss_scale") for s in read_log(tmp_path)[0]] == [None] * CHECKPOINT_STEP + [2.0**16] * 2
+
+
+class FakeGPU:
+    """torch.cuda's answers for one GPU, by name and compute capability."""
+
+    def __init__(self, monkeypatch, name, capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+        monkeypatch.setattr(precision, "check_runs", lambda dtype, device: None)
+
+
+@pytest.mark.parametrize("name, capability, picked, why", [
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bfloat16", "has bfloat16 tensor cores"),
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "bfloat16", "has bfloat16 tensor cores"),
+    ("Tesla V100-SXM2-16GB", (7, 0), "float16 with loss scaling", "lacks bfloat16 tensor cores"),
+    ("Tesla T4", (7, 5), "float16 with loss scaling", "lacks bfloat16 tensor cores"),
+])
+def test_auto_picks_bfloat16_from_compute_capability_8_and_float16_before(monkeypatch, name, capability,
+                                                                          picked, why):
+    FakeGPU(monkeypatch, name, capability)
+    config, line = precision.resolve(load_config([]), torch.device("cuda"))
+    assert config.dtype == picked.split()[0]
+    assert line == f"dtype {picked}: dtype=auto: {name} (compute capability {capability[0]}." \
+                   f"{capability[1]}) {why}"
+    if capability < (8, 0):
+        with pytest.raises(UserError, match=f"^--dtype=bfloat16: {name} .* has no bfloat16 tensor "
+                                            f"cores .*; pass --dtype=float16"):
+            precision.resolve(load_config(["--dtype=bfloat16"]), torch.device("cuda"))
+
+
+def test_auto_runs_float32_on_the_cpu_and_a_set_dtype_says_so():
+    config, line = precision.resolve(load_config([]), torch.device("cpu"))
+    assert config.dtype == "float32" and line.startswith("dtype float32: dtype=auto on cpu")
+    for dtype in ("bfloat16", "float16", "float32"):
+        config, line = precision.resolve(load_config([f"--dtype={dtype}"]), torch.device("cpu"))
+        assert config.dtype == dtype and line.endswith(f": set by dtype={dtype}")
+
+
+def test_a_dtype_this_torch_cannot_run_is_one_line(monkeypatch):
+    """Where autocast or the loss scaler fails on the device (MPS on an older torch, say), the run
+    stops in one line before any work; where torch turns autocast off with a warning, too."""
+    def unsupported(device_type, enabled=True):
+        raise RuntimeError("_amp_foreach_non_finite_check_and_unscale_ not implemented\nstack")
+
+    monkeypatch.setattr(torch.amp, "GradScaler", unsupported)
+    with pytest.raises(UserError, match=r"^--dtype=float16 does not run on cpu with torch .* "
+                                        r"\(_amp_foreach_non_finite_check_and_unscale_ not implemented\): "
+                                        r"pass --dtype=float32$"):
+        precision.check_runs("float16", torch.device("cpu"))
+    monkeypatch.setattr(precision, "autocast", lambda dtype, device: torch.autocast("cpu", enabled=False))
+    with pytest.raises(UserError, match="autocast gave torch.float32"):
+        precision.check_runs("bfloat16", torch.device("cpu"))
+
+
+def test_an_overflow_below_a_loss_scale_of_1_is_a_divergence():
+    """The scale after update(): 0.5 was halved from 1, an overflow of the scaled gradient; 0.25
+    from 0.5, where the gradient overflows unscaled."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
+    scaler.scale(torch.ones(()))  # the scale is set lazily
+    nan = float("nan")
+    assert precision.overflowed(scaler, 2.0, nan) and precision.overflowed(scaler, 2.0, float("inf"))
+    assert not precision.overflowed(scaler, nan, nan) and not precision.overflowed(scaler, 2.0, 1.0)
+    scaler.update(0.25)
+    assert not precision.overflowed(scaler, 2.0, nan)
+    assert not precision.overflowed(torch.amp.GradScaler("cpu", enabled=False), 2.0, nan)

@@ -120,9 +120,10 @@ def map_tensors(fn, obj):
 
 
 def save(path, state):
-    """Writes state (a dict of KEYS, "scaler" and "evaluated"), its format VERSION and its sha256 to `path`
-    atomically. Raises UserError, writing nothing and keeping every older checkpoint, when a float
-    in state is not finite (the run diverged) or the write fails (disk full, permissions)."""
+    """Writes state (a dict of KEYS, "scaler" and "evaluated"), its format VERSION and its sha256
+    to `path` atomically. Raises UserError, writing nothing and keeping every older checkpoint,
+    when a float in state is not finite (the run diverged) or the write fails (disk full,
+    permissions)."""
     found, floats = [], {}  # floats by device: one host sync per device, not per tensor
     map_tensors(found.append, state)
     for t in found:

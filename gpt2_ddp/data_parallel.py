@@ -265,9 +265,9 @@ class ZeRO2Optimizer(OptimizerOfViews):
 class FSDP(DataParallel):
     """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f),
     whose forward and backward take the parameters in config.dtype (FSDP's mixed precision). The
-    parameters become DTensors, each rank holding whole rows of
-    dim 0. exact_reduction makes float64 the reduce dtype, in which unsynced gradients accumulate.
-    The model's state_dict() and load_state_dict() give and take whole tensors (the hooks below)."""
+    parameters become DTensors, each rank holding whole rows of dim 0. exact_reduction makes
+    float64 the reduce dtype, in which unsynced gradients accumulate. The model's state_dict() and
+    load_state_dict() give and take whole tensors (the hooks below)."""
 
     def __init__(self, model, config, device):
         # imported here: FSDP2 adds to every process's start-up, and only this mode uses it

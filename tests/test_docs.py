@@ -27,13 +27,15 @@ LINES = {
     "train": r"step +\d+/\d+ \| loss: \d+\.\d{6} \| lr \d\.\d{4}e[-+]\d\d( \| muon_lr \d\.\d{4}e[-+]\d\d)? \| "
              r"norm: \d+\.\d{4} \| "
              r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)? \| eta \d+:\d\d:\d\d"
-             r"( \| update skipped: non-finite loss or gradient)?",
+             r"( \| update skipped: (non-finite loss or gradient"
+             r"|float16 overflow, loss scale halved to \d+))?",
     "eval": r"step +\d+ \| val loss \d+\.\d{4}",
     "hellaswag": r"step +\d+ \| hellaswag acc_norm \d\.\d{4} \| acc \d\.\d{4} \| \d+ examples",
     "sample": r"sample at step \d+: ['\"].*",  # the text's repr, abridged in the docs
     "saved": r"saved \S+/ckpt_\d{7}\.pt",
     "batch": r"world_size \d+ \| device \S+ \| total batch \d+ tokens = \d+ x \d+ x \d+ x \d+ grad "
              r"accum steps",
+    "dtype": r"dtype (bfloat16|float16 with loss scaling|float32): .+",
 }
 
 
@@ -135,6 +137,7 @@ def test_the_docs_console_lines_have_the_shape_the_training_prints(tmp_path):
                for kind, shape in LINES.items() if kind != "hellaswag"}
     assert all(printed.values()), proc.stdout
     quoted = [line for doc in DOCS for block in FENCE.findall(doc.read_text())
-              for line in block.splitlines() if re.match(r"(step|sample at step|saved|world_size) ", line)]
+              for line in block.splitlines()
+              if re.match(r"(step|sample at step|saved|world_size|dtype) ", line)]
     assert quoted and [line for line in quoted
                        if not any(re.fullmatch(shape, line) for shape in LINES.values())] == []

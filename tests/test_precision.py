@@ -1,14 +1,16 @@
 """dtype: bfloat16 and float16 autocast, float16 with torch's loss scaler, in every sharding mode and
 with Muon, on the CPU, as a GPU runs them; what dtype=auto picks, and dtypes that cannot run.
 
-The runs are the EQUIV config (exact_reduction, dropout, biases, HellaSwag) for 8 steps, launched
-for real (tests/fp16_probe.py around train_gpt2.py, under torchrun at world size 2). In each dtype,
-ddp and zero2 at world size 2 are bitwise ddp's one-process run, and fsdp's two processes are
-bitwise its one: fsdp casts the parameters to the dtype (FSDP's mixed precision) where autocast casts
-per op, so its losses agree with ddp's to the dtype's rounding (rtol 1e-3), not bitwise. float16's
-runs overflow in steps 2 to 5, in one rank's part of the gradient (tests/fp16_probe.py).
+The runs are the EQUIV config (exact_reduction, dropout, biases, HellaSwag, a sample) for 8 steps,
+launched for real: tests/fp16_probe.py around train_gpt2.py, under torchrun at world size 2 (RUNS).
+In each dtype, ddp's and zero2's runs are bitwise ddp's one-process run, and fsdp's two processes
+are bitwise its one. fsdp casts the parameters to the dtype (FSDP's mixed precision) where autocast
+casts per op, so its losses agree with ddp's to the dtype's rounding (rtol 1e-3), not bitwise.
+float16's runs overflow in steps 2 to 5, in one rank's part of the gradient (tests/fp16_probe.py).
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -18,7 +20,8 @@ import sys
 import pytest
 import torch
 
-from conftest import EQUIV, ROOT, hellaswag_args, read_log, run_training
+import fp16_probe
+from conftest import EQUIV, ROOT, hellaswag_args
 from gpt2_ddp import checkpoints, precision, runs
 from gpt2_ddp.configurator import UserError
 from scripts.check_equivalence import max_diff
@@ -27,62 +30,84 @@ import train_gpt2
 
 STEPS, CHECKPOINT_STEP = 8, 6
 OVERFLOW_STEPS = [2, 3, 4, 5]  # more in a row than MAX_SKIPPED_STEPS, yet not a divergence
-# each dtype runs every mode at world sizes 1 and 2 (ddp's one process is zero2's reference), and
-# Muon in some of them
-RUNS = {"bfloat16": [("ddp", "adamw", 1), ("ddp", "adamw", 2), ("zero2", "adamw", 2),
-                     ("fsdp", "muon", 1), ("fsdp", "muon", 2)],
-        "float16": [("ddp", "muon", 1), ("ddp", "muon", 2), ("zero2", "muon", 2),
-                    ("fsdp", "adamw", 1), ("fsdp", "adamw", 2)]}
+# each dtype runs every mode, and each mode runs at world sizes 1 and 2 in one dtype or both: ddp's
+# one process is the reference of ddp's and zero2's runs, fsdp's of fsdp's; Muon in some of them
+RUNS = {"bfloat16": [("ddp", "adamw", 1), ("zero2", "adamw", 1), ("fsdp", "muon", 1),
+                     ("ddp", "adamw", 2), ("fsdp", "muon", 2)],
+        "float16": [("ddp", "muon", 1), ("fsdp", "adamw", 1), ("zero2", "muon", 2),
+                    ("fsdp", "adamw", 2)]}
 
 
 def precision_args(data_dir, dtype, mode, optimizer):
     return [*EQUIV, f"--data_dir={data_dir}", *hellaswag_args(data_dir), f"--dtype={dtype}",
             f"--sharding={mode}", f"--optimizer={optimizer}", f"--max_steps={STEPS}",
-            "--eval_interval=4", "--hellaswag_interval=8", f"--checkpoint_interval={CHECKPOINT_STEP}"]
+            "--eval_interval=4", "--hellaswag_interval=8", "--sample_interval=8", "--sample_prompt=ab",
+            f"--checkpoint_interval={CHECKPOINT_STEP}"]
 
 
-def start(args, world_size, out, overflow_steps=()):
-    """Starts training `args` into `out` at world_size under tests/fp16_probe.py."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+@contextlib.contextmanager
+def one_thread():
+    """One torch thread in this process, as OMP_NUM_THREADS=1 gives torchrun's workers: a sum
+    split over threads would round otherwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def in_process(args, out, overflow_steps=()):
+    """Trains `args` into `out` in one process, this one (no interpreter and torch to start), with
+    tests/fp16_probe.py's instruments; returns result()."""
+    records, restore = fp16_probe.instrument(set(overflow_steps), rank=0)
+    console = io.StringIO()
+    try:
+        with one_thread(), contextlib.redirect_stdout(console):
+            assert train_gpt2.main([*args, f"--out_dir={out}"]) == 0
+    finally:
+        restore()
+    return result(out, console.getvalue(), [records])
+
+
+def under_torchrun(args, out, overflow_steps=()):
+    """Trains `args` into `out` at world size 2 under torchrun, tests/fp16_probe.py the workers'
+    script; returns result()."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PROBE_OUT=str(out),
                PROBE_OVERFLOW_STEPS=",".join(map(str, overflow_steps)))
-    return subprocess.Popen([sys.executable, *(launcher if world_size > 1 else []),
-                             str(ROOT / "tests" / "fp16_probe.py"), *args, f"--out_dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(ROOT / "tests" / "fp16_probe.py"), *args,
+                           f"--out_dir={out}"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return result(out, proc.stdout, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
 
 
-def finish(proc, world_size, out):
-    """Waits for a start()ed run; returns its log's train records, val losses and HellaSwag records,
-    its final weights, each rank's probe records, its console and out."""
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stdout + stderr
+def result(out, console, ranks):
+    """A run's log's train records, val losses and HellaSwag records, its sample, final weights,
+    each rank's probe records, its console and out."""
     steps, evals, hellaswag = runs.split_records(runs.read_log(out))
     return {"steps": steps, "val_loss": [e["val_loss"] for e in evals], "hellaswag": hellaswag,
+            "sample": [line for line in console.splitlines() if line.startswith("sample at step")],
             "model": torch.load(checkpoints.listed(out)[-1], weights_only=True)["model"],
-            "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)],
-            "stdout": stdout, "out": out}
+            "ranks": ranks, "stdout": console, "out": out}
 
 
 @pytest.fixture(scope="module")
 def precision_runs(equiv_data_dir, tmp_path_factory):
-    """{dtype: {(mode, world_size): finish()'s result}}, float16's with its overflows. The
-    one-process runs, one thread each, run side by side; then each two-process run alone."""
+    """{dtype: {(mode, world_size): result()}}, float16's with its overflows."""
     def run(dtype, mode, optimizer, n):
-        out = tmp_path_factory.mktemp(f"{dtype}_{mode}_{n}")
-        args = precision_args(equiv_data_dir, dtype, mode, optimizer)
-        return start(args, n, out, OVERFLOW_STEPS if dtype == "float16" else ()), n, out
+        train = in_process if n == 1 else under_torchrun
+        return train(precision_args(equiv_data_dir, dtype, mode, optimizer),
+                     tmp_path_factory.mktemp(f"{dtype}_{mode}_{n}"),
+                     OVERFLOW_STEPS if dtype == "float16" else ())
 
-    specs = [(dtype, mode, optimizer, n) for dtype in RUNS for mode, optimizer, n in RUNS[dtype]]
-    side_by_side = {(dtype, mode, n): run(dtype, mode, optimizer, n)
-                    for dtype, mode, optimizer, n in specs if n == 1}
-    results = {key: finish(*started) for key, started in side_by_side.items()}
-    results.update({(dtype, mode, n): finish(*run(dtype, mode, optimizer, n))
-                    for dtype, mode, optimizer, n in specs if n > 1})
-    return {dtype: {(mode, n): results[(dtype, mode, n)] for mode, _, n in RUNS[dtype]} for dtype in RUNS}
+    return {dtype: {(mode, n): run(dtype, mode, optimizer, n) for mode, optimizer, n in RUNS[dtype]}
+            for dtype in RUNS}
 
 
 def assert_bitwise_same(run, reference):
-    for key in ("val_loss", "hellaswag"):
+    for key in ("val_loss", "hellaswag", "sample"):
         assert run[key] == reference[key], key
     for field in ("loss", "grad_norm", "loss_scale", "skipped"):
         assert [s.get(field) for s in run["steps"]] == [s.get(field) for s in reference["steps"]], field
@@ -93,18 +118,19 @@ def assert_bitwise_same(run, reference):
 @pytest.mark.parametrize("dtype", RUNS)
 def test_every_mode_trains_bitwise_the_same_run_at_world_sizes_1_and_2(dtype, precision_runs,
                                                                        equiv_runs):
-    """In exact mode each dtype keeps the promise of float32: ddp and zero2 at world size 2 are ddp's
-    one process, fsdp's two are its one. The runs are autocast's, not float32's (equiv_runs): the
+    """In exact mode each dtype keeps the promise of float32: ddp's and zero2's runs are ddp's one
+    process, fsdp's two are its one (losses, gradient norms, val losses, HellaSwag, the sample, the
+    final weights). The runs are autocast's, not float32's (equiv_runs): the
     step-1 loss and the step-0 val loss, on the same weights and batches, differ; fsdp's parameter
     cast makes its losses differ from ddp's, to rounding; Muon's runs log its lr."""
     runs_ = precision_runs[dtype]
     ddp, fsdp = runs_[("ddp", 1)], runs_[("fsdp", 1)]
-    assert_bitwise_same(runs_[("ddp", 2)], ddp)
-    assert_bitwise_same(runs_[("zero2", 2)], ddp)
-    assert_bitwise_same(runs_[("fsdp", 2)], fsdp)
+    for (mode, n), run in runs_.items():
+        if (mode, n) not in (("ddp", 1), ("fsdp", 1)):
+            assert_bitwise_same(run, fsdp if mode == "fsdp" else ddp)
     float32 = equiv_runs[1]
     for run in (ddp, fsdp):
-        assert len(run["steps"]) == STEPS and len(run["hellaswag"]) == 2
+        assert len(run["steps"]) == STEPS and len(run["hellaswag"]) == 2 and len(run["sample"]) == 1
         assert run["steps"][0]["loss"] != float32["loss"][0]
         assert run["steps"][0]["loss"] == pytest.approx(float32["loss"][0], rel=1e-3)
         assert run["val_loss"][0] != float32["val_loss"][0]
@@ -116,7 +142,7 @@ def test_every_mode_trains_bitwise_the_same_run_at_world_sizes_1_and_2(dtype, pr
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("mode", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("mode", ["zero2", "fsdp"])
 def test_float16_overflows_skip_the_update_halve_the_scale_and_the_run_goes_on(mode, precision_runs):
     """Four overflows in a row (more than MAX_SKIPPED_STEPS) are skipped and logged with the halved
     scale, and the run ends normally. In zero2 and fsdp only rank 0 holds the overflowing element,
@@ -152,25 +178,23 @@ def test_a_float16_resume_continues_the_loss_scale_bitwise_in_another_mode_and_w
     saved = torch.load(checkpoints.path_of(reference["out"], CHECKPOINT_STEP), weights_only=True)
     assert saved["scaler"]["scale"] == 2.0**12 and saved["config"]["dtype"] == "float16"
     copy_checkpoint(reference, tmp_path)
-    proc = run_training([*precision_args(equiv_data_dir, "float16", "ddp", "muon"), f"--out_dir={tmp_path}"])
-    assert "resumed from" in proc.stdout and "dtype changes" not in proc.stdout
-    steps = read_log(tmp_path)[0]
+    resumed = in_process(precision_args(equiv_data_dir, "float16", "ddp", "muon"), tmp_path)
+    assert "resumed from" in resumed["stdout"] and "dtype changes" not in resumed["stdout"]
     fields = ("step", "loss", "grad_norm", "lr", "loss_scale")
-    assert [[s[f] for f in fields] for s in steps] == [[s[f] for f in fields] for s in reference["steps"]]
-    final = torch.load(checkpoints.listed(tmp_path)[-1], weights_only=True)["model"]
-    assert max_diff(final, reference["model"]) == 0.0
+    assert [[s[f] for f in fields] for s in resumed["steps"]] == \
+        [[s[f] for f in fields] for s in reference["steps"]]
+    assert max_diff(resumed["model"], reference["model"]) == 0.0
 
 
 def test_a_resume_in_another_dtype_says_so_and_starts_the_scaler_anew(precision_runs, equiv_data_dir,
-                                                                       tmp_path, capsys):
-    """bfloat16's checkpoint resumed in float16 (in this process, in the default mode): one line
-    says so, and the loss scaler starts at torch's initial scale."""
+                                                                       tmp_path):
+    """bfloat16's checkpoint resumed in float16: one line says so, and the loss scaler starts at
+    torch's initial scale."""
     copy_checkpoint(precision_runs["bfloat16"][("ddp", 1)], tmp_path)
-    assert train_gpt2.main([*precision_args(equiv_data_dir, "float16", "ddp", "adamw"),
-                            "--exact_reduction=false", f"--out_dir={tmp_path}"]) == 0
+    resumed = in_process(precision_args(equiv_data_dir, "float16", "ddp", "adamw"), tmp_path)
     assert ("the dtype changes from the checkpoint's bfloat16 to float16; the loss scaler starts "
-            "anew") in capsys.readouterr().out
-    assert [s.get("loss_scale") for s in read_log(tmp_path)[0]] == [None] * CHECKPOINT_STEP + [2.0**16] * 2
+            "anew") in resumed["stdout"]
+    assert [s.get("loss_scale") for s in resumed["steps"]] == [None] * CHECKPOINT_STEP + [2.0**16] * 2
 
 
 class FakeGPU:

@@ -1,5 +1,6 @@
 """Shared helpers: the repo root on sys.path, tiny shards, and launching real training runs."""
 
+import contextlib
 import json
 import os
 import socket
@@ -77,6 +78,26 @@ def tiny_data(tmp_path):
     data_dir = tmp_path / "data"
     make_shards(data_dir)
     return data_dir
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """One torch thread in this process, as OMP_NUM_THREADS=1 gives run_training's processes and
+    torchrun's workers: the same kernels, so the same rounding, on any machine; and on a busy one
+    more threads make a tiny model's steps several times slower."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    with one_torch_thread():
+        yield
 
 
 def run_training(args, nproc=1, timeout=300, torchrun=None):

@@ -12,14 +12,6 @@ GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=
 LOGITS_ATOL = 1e-5  # float32 rounding of other matmul shapes; seen: 2e-7 (small), 3e-6 (124M)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same kernels, so the same rounding, on any machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference_generate(model, idx, max_new_tokens, generator, temperature, top_k):
     """The sampling loop without a cache: the whole window (the last block_size tokens, positions
     from 0) through the model for every token. Returns the tokens (B, max_new_tokens) and each

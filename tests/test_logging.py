@@ -76,16 +76,6 @@ def assert_tensorboard_shows(log_dir, records):
             events, [(r["step"], np.float32(r[tag])) for r in records if tag in r], err_msg=tag)
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread in this process, as run_training's OMP_NUM_THREADS=1: on a busy machine
-    more threads make a tiny model's steps several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def train_in_process(args):
     """train_gpt2.main(args) in this process (no interpreter and torch to start: the fake wandb
     module is seen, too). Raises UserError as it does."""

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fp16_probe
-from conftest import EQUIV, ROOT, hellaswag_args
+from conftest import EQUIV, ROOT, hellaswag_args, one_torch_thread
 from gpt2_ddp import checkpoints, precision, runs
 from gpt2_ddp.configurator import UserError
 from scripts.check_equivalence import max_diff
@@ -45,25 +45,13 @@ def precision_args(data_dir, dtype, mode, optimizer):
             f"--checkpoint_interval={CHECKPOINT_STEP}"]
 
 
-@contextlib.contextmanager
-def one_thread():
-    """One torch thread in this process, as OMP_NUM_THREADS=1 gives torchrun's workers: a sum
-    split over threads would round otherwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def in_process(args, out, overflow_steps=()):
     """Trains `args` into `out` in one process, this one (no interpreter and torch to start), with
     tests/fp16_probe.py's instruments; returns result()."""
     records, restore = fp16_probe.instrument(set(overflow_steps), rank=0)
     console = io.StringIO()
     try:
-        with one_thread(), contextlib.redirect_stdout(console):
+        with one_torch_thread(), contextlib.redirect_stdout(console):
             assert train_gpt2.main([*args, f"--out_dir={out}"]) == 0
     finally:
         restore()

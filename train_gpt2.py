@@ -58,7 +58,8 @@ from gpt2_ddp import (checkpoints, configurator, data_parallel, gpt2_weights, he
                       precision)
 from gpt2_ddp.collectives import (Stopped, agreed, all_reduce_max, catch_stop_signals, torchrun_env,
                                   wait_for_master)
-from gpt2_ddp.device import choose_device, keep_freed_cpu_memory, make_deterministic
+from gpt2_ddp.device import (check_torch_version, choose_device, keep_freed_cpu_memory,
+                             make_deterministic)
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
 from gpt2_ddp.metrics import Metrics, log
@@ -384,7 +385,9 @@ class GPT(nn.Module):
         x = idx  # what the next forward runs: the window, or the newest token
         for _ in range(max_new_tokens):
             logits, _ = self(x, cache=cache)  # (B, 1, vocab_size)
-            probs = F.softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, vocab_size)
+            logits = logits[:, -1, :].float()
+            # the top logit made 0 first, so a tiny temperature gives one-hot probs, not inf / inf
+            probs = F.softmax((logits - logits.max(-1, keepdim=True).values) / temperature, dim=-1)
             topk_probs, topk_idx = torch.topk(probs, top_k, dim=-1)  # (B, top_k)
             choice = torch.multinomial(topk_probs, 1, generator=generator)  # (B, 1)
             token = torch.gather(topk_idx, -1, choice)
@@ -546,18 +549,6 @@ class DataLoader:
 
 # -----------------------------------------------------------------------------
 # Distributed setup: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; plain python runs one process
-
-TORCH_FLOOR = (2, 8)  # requirements.txt's: FSDP2's set_gradient_divide_factor, for exact_reduction
-
-
-def check_torch_version():
-    """Raises UserError, naming the pip command, for a torch older than TORCH_FLOOR."""
-    # major.minor alone: NGC's and source builds of 2.8 call themselves 2.8.0a0+...
-    if tuple(map(int, torch.__version__.split(".")[:2])) < TORCH_FLOOR:
-        floor = "%d.%d" % TORCH_FLOOR
-        raise UserError(f"torch {torch.__version__} is older than {floor}, the oldest that "
-                        f"train_gpt2.py runs on: pip install 'torch>={floor}'")
-
 
 def setup_distributed(config):
     """Chooses the device and joins the process group of torchrun's workers (gloo on CPU, NCCL on
@@ -993,8 +984,5 @@ if __name__ == "__main__":
         configurator.print_quietly(__doc__ + "\nConfig keys, their defaults and what they do:\n"
                                    + "\n".join(configurator.help_lines(Config)))
         sys.exit(0)
-    try:
-        configurator.run(record(main), "train_gpt2.py")  # torchrun's summary shows a crash's traceback
-    except KeyboardInterrupt:  # Ctrl-C before the training loop, which handles it itself
-        print("train_gpt2.py: interrupted before training began; nothing to save", file=sys.stderr)
-        sys.exit(130)
+    # torchrun's summary shows a crash's traceback; the training loop handles Ctrl-C itself
+    configurator.run(record(main), "train_gpt2.py", "interrupted before training began; nothing to save")

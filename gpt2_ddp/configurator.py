@@ -80,9 +80,10 @@ def print_quietly(text, file=None):
         sys.exit(0)
 
 
-def run(main, script):
+def run(main, script, interrupted="interrupted"):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
-    ends it with the one line `{script}: error: {message}` on stderr and exit status 1. Under
+    ends it with the one line `{script}: error: {message}` on stderr and exit status 1; Ctrl-C with
+    `{script}: {interrupted}` and status 130, as a shell reports SIGINT. Under
     torchrun's agent only rank 0 prints it at once: the other ranks, which meet the same error, wait
     up to RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not. The line
     also goes where torch's `record` writes a traceback (the file TORCHELASTIC_ERROR_FILE names), so
@@ -99,6 +100,9 @@ def run(main, script):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the training loop's handler defers it
             time.sleep(RANK_ERROR_WAIT_S)
         sys.exit(line)
+    except KeyboardInterrupt:
+        print(f"{script}: {interrupted}", file=sys.stderr)
+        sys.exit(130)
 
 
 def cast_value(key, raw, typ):

@@ -1,7 +1,7 @@
 """
-The device a rank runs on and the process-wide settings it needs: which device (--device=auto
-picks cuda:LOCAL_RANK, mps or cpu), deterministic kernels for exact_reduction, and glibc's malloc
-kept from returning the CPU's freed memory to the OS.
+The device a rank runs on and the process-wide settings it needs: the oldest torch it runs on,
+which device (--device=auto picks cuda:LOCAL_RANK, mps or cpu), deterministic kernels for
+exact_reduction, and glibc's malloc kept from returning the CPU's freed memory to the OS.
 """
 
 import ctypes
@@ -11,6 +11,17 @@ import re
 import torch
 
 from gpt2_ddp.configurator import UserError
+
+TORCH_FLOOR = (2, 8)  # requirements.txt's: FSDP2's set_gradient_divide_factor, for exact_reduction
+
+
+def check_torch_version():
+    """Raises UserError, naming the pip command, for a torch older than TORCH_FLOOR."""
+    # major.minor alone: NGC's and source builds of 2.8 call themselves 2.8.0a0+...
+    if tuple(map(int, torch.__version__.split(".")[:2])) < TORCH_FLOOR:
+        floor = "%d.%d" % TORCH_FLOOR
+        raise UserError(f"torch {torch.__version__} is older than {floor}, the oldest that "
+                        f"train_gpt2.py runs on: pip install 'torch>={floor}'")
 
 
 def named_device(name):

@@ -14,6 +14,7 @@ from torch.distributed.run import get_args_parser
 
 from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
 from gpt2_ddp import metrics
+from gpt2_ddp.device import TORCH_FLOOR
 from gpt2_ddp.shards import split_paths, write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
 import train_gpt2
@@ -130,7 +131,7 @@ def reach_config(argv):
 ])
 def test_a_torch_older_than_requirements_floor_is_refused_in_one_line(monkeypatch, version, refused):
     floor = re.search(r"^torch>=([0-9.]+)$", (ROOT / "requirements.txt").read_text(), re.M).group(1)
-    assert "%d.%d" % train_gpt2.TORCH_FLOOR == floor
+    assert "%d.%d" % TORCH_FLOOR == floor
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(train_gpt2, "load_config", reach_config)
     message = f"torch {re.escape(version)} is older than 2.8, the oldest .*: pip install 'torch>=2.8'"

@@ -182,8 +182,9 @@ def save_hf(model_state, config, out_dir):
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} exists and is not an empty directory: remove it or pick "
-                        f"another directory")
+        raise UserError(f"{out_dir} exists and is not an empty directory: pick a directory that does "
+                        f"not exist yet")
+    target = Path(os.path.realpath(out_dir))  # where ".", "x/.." or a symlink leads
     tensors = {}
     for key, tensor in model_state.items():  # bias=false: zero biases for the Linears and norms
         if key.startswith(("transformer.h.", "transformer.ln_f.")) and key.endswith(".weight"):
@@ -203,7 +204,7 @@ def save_hf(model_state, config, out_dir):
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
                         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                         "unk_token": "<|endoftext|>", "add_prefix_space": False}
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")  # this process's own name
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")  # this process's own name
     made = False
     try:
         tmp.mkdir(parents=True)
@@ -215,9 +216,11 @@ def save_hf(model_state, config, out_dir):
             (tmp / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
         shutil.copyfile(checked(GPT2_VOCAB_PATH, GPT2_VOCAB_SHA256), tmp / "vocab.json")
         shutil.copyfile(checked(GPT2_MERGES_PATH, GPT2_MERGES_SHA256), tmp / "merges.txt")
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
+        if target.is_dir() and not any(target.iterdir()):  # an empty one (".", say) stays
+            for file in tmp.iterdir():
+                os.replace(file, target / file.name)
+        else:
+            os.replace(tmp, target)
     except OSError as e:
         raise UserError(f"cannot write {out_dir}: {e.strerror}; pick a directory you can write") from e
     finally:  # after the rename tmp is gone; after any failure, what was written goes with it

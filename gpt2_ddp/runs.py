@@ -121,28 +121,37 @@ def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-def read_log(path):
+def read_log(path, keep=lambda record: True, what="a JSON object"):
     """The records of a log.jsonl, or of DIR/log.jsonl, as a list of dicts in the file's order. A
-    last line that is not JSON (cut by a killed run) is skipped. Raises UserError, in one line, for
-    a file that cannot be read, a line before the last that is not JSON, or no records."""
+    line that is not a JSON object, or that keep(record) refuses, is skipped with one warning on
+    stderr that names the lines and `what` they are not (a torn line, after a full disk); a last
+    line still unterminated (a killed run, or one being written) silently. Raises UserError, in one
+    line, for a file that cannot be read or that holds no record kept."""
     path = Path(path)
     if path.is_dir():
         path = path / "log.jsonl"
     try:
-        lines = path.read_text().splitlines()
+        text = path.read_text()
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not text: not a log.jsonl?") from None
-    records = []
+    records, bad, lines = [], [], text.splitlines()
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if number < len(lines):
-                raise UserError(f"{path} line {number} is not JSON: not a log.jsonl?") from None
+            record = None
+        if isinstance(record, dict) and keep(record):
+            records.append(record)
+        elif number < len(lines) or text.endswith("\n"):
+            bad.append(number)
+    if bad:
+        print(f"warning: {path}: skipped {len(bad)} line{'s that are' if len(bad) > 1 else ' that is'} "
+              f"not {what} (line{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:10]))}"
+              f"{', ...' if len(bad) > 10 else ''})", file=sys.stderr, flush=True)
     if not records:
-        raise UserError(f"{path} holds no records")
+        raise UserError(f"{path} holds no line that is {what}: not a log.jsonl of train_gpt2.py?")
     return records
 
 

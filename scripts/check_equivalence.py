@@ -136,10 +136,14 @@ def main(argv):
     args, train_args = parser.parse_known_args(argv)
     if min(args.world_sizes) < 1:
         parser.error("--world_sizes must be >= 1")
+    if len(set(args.world_sizes)) < 2 and not args.python:
+        raise UserError(f"--world_sizes {' '.join(map(str, args.world_sizes))} compares nothing: pass "
+                        f"two or more different ones (--world_sizes 1 2) or another --python")
     for python in args.python:  # before any run: a bad interpreter is one line, not minutes later
         torch_version(python)
     results = compare(train_args, args.world_sizes, args.out_dir)
-    print_table(results)
+    if len(results) > 1:  # one world size is compared across interpreters alone
+        print_table(results)
     if args.python:
         worst = compare_pythons(args.python, results, train_args, args.world_sizes, args.out_dir)
         print(f"largest relative loss or grad norm difference to torch {torch.__version__}: {worst:.2e}, "

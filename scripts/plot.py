@@ -8,6 +8,7 @@ acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and
 Needs matplotlib (pip install matplotlib), which training does not.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,9 @@ PANELS = [  # (title, log key, y scale)
 
 
 def series(records, key):
-    """(steps, values) of the records that hold `key`, as numpy arrays."""
-    points = [(r["step"], r[key]) for r in records if key in r]
+    """(steps, values) of the records that hold a finite number under `key`, as numpy arrays: a
+    skipped step's NaN loss would end the moving average's curve."""
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
     return np.array([p[0] for p in points]), np.array([p[1] for p in points], dtype=float)
 
 
@@ -80,15 +82,16 @@ def plot(runs, out):
             steps, values = series(records, key)
             if key == "mfu":
                 values = values * 100
-            if key == "loss" and len(steps):
-                ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-                ax.plot(steps, smooth(values), color=color, label=f"{label} train (smoothed)")
+            if key == "loss":
                 val_steps, val = series(records, "val_loss")
-                ax.plot(val_steps, val, "o--", color=color, markersize=3, label=f"{label} val")
-                finite = values[np.isfinite(values)]
-                if finite.size:
-                    loss_ranges.append((min(finite.min(), np.nanmin(val, initial=np.inf)),
-                                        np.percentile(finite, 95)))
+                if len(steps):
+                    ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+                    ax.plot(steps, smooth(values), color=color, label=f"{label} train (smoothed)")
+                if len(val_steps):
+                    ax.plot(val_steps, val, "o--", color=color, markersize=3, label=f"{label} val")
+                if len(steps) or len(val_steps):
+                    loss_ranges.append((np.concatenate([values, val]).min(),
+                                        np.percentile(values if len(steps) else val, 95)))
             elif len(steps):
                 ax.plot(steps, values, color=color, marker="o" if len(steps) < 50 else None,
                         markersize=3, label=label)
@@ -108,17 +111,12 @@ def plot(runs, out):
     save_png(fig, out)
 
 
-def check_records(log, records):
-    """Raises UserError, naming the log and the record, unless every record is a JSON object with a
-    number under "step" and a number or null under each other key that PANELS plots."""
-    for number, record in enumerate(records, 1):
-        step = record.get("step") if isinstance(record, dict) else None
-        if type(step) not in (int, float):  # type(): a JSON true is a bool, which is an int
-            raise UserError(f"{log}: record {number} has no step number: not a log.jsonl of "
-                            f"train_gpt2.py?")
-        for key in ["val_loss", *(key for _, key, _ in PANELS)]:
-            if type(record.get(key)) not in (int, float, type(None)):
-                raise UserError(f"{log}: record {number} has {key} {record[key]!r}, not a number")
+def plottable(record):
+    """Whether a record has a finite step number and a number or null under val_loss and each key
+    that PANELS plots (a bool is no number; an int of hundreds of digits is none numpy can hold)."""
+    values = [record.get(key) for key in ("step", "val_loss", *(key for _, key, _ in PANELS))]
+    return (all(v is None or type(v) is float or type(v) is int and abs(v) < 2**63 for v in values)
+            and values[0] is not None and math.isfinite(values[0]))
 
 
 def main(argv):
@@ -132,8 +130,7 @@ def main(argv):
         label = (path if path.is_dir() else path.parent).resolve().name
         while label in runs:
             label += "'"
-        runs[label] = read_log(path)
-        check_records(path / "log.jsonl" if path.is_dir() else path, runs[label])
+        runs[label] = read_log(path, plottable, "a record of train_gpt2.py")
     first = Path(args.logs[0])
     out = args.out or (first if first.is_dir() else first.parent) / "plot.png"
     plot(runs, out)

@@ -10,6 +10,7 @@ gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). A --seed gives the sam
 """
 
 import codecs
+import math
 import sys
 from pathlib import Path
 
@@ -66,9 +67,9 @@ def main(argv):
                         "prefill, one for the one-token decode step at any position (the first "
                         "tokens compile for a minute; on CPU that costs more than it saves)")
     args = parser.parse_args(argv)
-    if (not args.temperature > 0  # nan too, which would make every probability nan
+    if (not 0 < args.temperature < math.inf  # nan too, which would make every probability nan
             or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0):
-        parser.error("--temperature must be > 0, --top_k >= 0, --num_samples >= 1, "
+        parser.error("--temperature must be finite and > 0, --top_k >= 0, --num_samples >= 1, "
                      "--max_new_tokens >= 0")
     if not -2**63 <= args.seed < 2**64:
         parser.error(f"--seed must be in [-2**63, 2**64), the range torch seeds from; got {args.seed}")

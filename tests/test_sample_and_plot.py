@@ -3,6 +3,7 @@ real training logs."""
 
 import io
 import json
+import signal
 import subprocess
 import sys
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from conftest import ROOT
+from gpt2_ddp import runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
-from scripts import bench_sample, hellaswag, plot, timeline
+from scripts import bench_sample, check_equivalence, hellaswag, plot, timeline
 from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
 
@@ -92,6 +94,34 @@ def test_a_seed_beyond_torchs_range_is_refused(hf_tiny, capsys):
         bench_sample.main(["--devices", "cpu", "--seed", str(2**64)])
 
 
+@pytest.mark.parametrize("temperature", ["inf", "nan", "0"])
+def test_a_temperature_not_finite_and_positive_is_refused(hf_tiny, temperature, capsys):
+    with pytest.raises(SystemExit):
+        sample_main([str(hf_tiny), "--temperature", temperature, "--max_new_tokens", "5"])
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.endswith(" error: --temperature must be finite and > 0, --top_k >= 0, "
+                                 "--num_samples >= 1, --max_new_tokens >= 0\n")
+
+
+def test_a_tiny_temperature_samples_the_likeliest_tokens(hf_tiny, capsys):
+    texts = []
+    for options in (["--temperature", "1e-40"], ["--top_k", "1"]):
+        sample_main([str(hf_tiny), *options, "--max_new_tokens", "8", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
+def test_ctrl_c_while_sampling_is_one_line(hf_tiny):
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.sample", str(hf_tiny), "--max_new_tokens",
+                             "1000000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.read(1)  # the prompt comes with the first token
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, f"sampling from {hf_tiny}\nsample.py: interrupted\n")
+
+
 def test_an_empty_prompt_starts_from_endoftext(hf_tiny, tmp_path, capsys):
     model = GPT.from_pretrained(hf_tiny)
     expected = io.StringIO()
@@ -157,15 +187,47 @@ def test_plot_to_a_directory_or_where_it_cannot_write_is_one_line(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["log.jsonl"]
 
 
-@pytest.mark.parametrize("record, message", [
-    ([0, 3.0], "record 2 has no step number: not a log.jsonl of train_gpt2.py\\?"),
-    ({"loss": 3.0}, "record 2 has no step number"),
-    ({"step": 1, "loss": "3.0"}, "record 2 has loss '3.0', not a number"),
-])
-def test_plot_of_a_log_that_is_not_train_gpt2s_is_one_line(tmp_path, record, message):
+@pytest.mark.parametrize("record", [[0, 3.0], {"loss": 3.0}, {"step": 1, "loss": "3.0"}, {"step": 1e400},
+                                    {"step": 10**400}, {"step": 1, "mfu": 10**400}])
+def test_plot_skips_a_record_that_is_not_train_gpt2s_with_a_warning(tmp_path, record, capsys,
+                                                                   monkeypatch):
+    saved = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: saved.append(out))
     run = write_log(tmp_path / "run", [{"step": 0, "loss": 3.0, "mfu": None}, record])
-    with pytest.raises(UserError, match=f"^{run / 'log.jsonl'}: {message}"):
+    plot.main([str(run)])
+    assert capsys.readouterr().err == (f"warning: {run / 'log.jsonl'}: skipped 1 line that is not a "
+                                       f"record of train_gpt2.py (line 2)\n")
+    assert saved == [run / "plot.png"]
+    (run / "log.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(UserError, match=f"^{run / 'log.jsonl'} holds no line that is a record of "
+                                        f"train_gpt2.py: not a log.jsonl of train_gpt2.py\\?$"):
         plot.main([str(run)])
+
+
+def test_a_torn_line_in_a_log_is_skipped_with_a_warning(tmp_path, capsys):
+    """A full disk cut a record short and the next one went on the same line: the line is lost,
+    the rest kept. A last line not yet ended (a run being written or killed) goes silently."""
+    lines = [json.dumps({"step": step, "loss": 3.0, "dt_ms": 75.23}) for step in range(1, 6)]
+    log = tmp_path / "log.jsonl"
+    log.write_text(f"{lines[0]}\n{lines[1][:-1]}{lines[2]}\n{lines[3]}\n[]\n{lines[4]}\n")
+    assert [r["step"] for r in runs.read_log(tmp_path)] == [1, 4, 5]
+    assert capsys.readouterr().err == (f"warning: {log}: skipped 2 lines that are not a JSON object "
+                                       f"(lines 2, 4)\n")
+    log.write_text(f"{lines[0]}\n{lines[1][:20]}")
+    assert [r["step"] for r in runs.read_log(log)] == [1] and capsys.readouterr().err == ""
+    log.write_text("")
+    with pytest.raises(UserError, match=f"^{log} holds no line that is a JSON object"):
+        runs.read_log(log)
+
+
+def test_check_equivalence_of_one_world_size_is_refused_before_any_run(tmp_path):
+    for sizes in (["1"], ["2", "2"]):
+        with pytest.raises(UserError, match=f"^--world_sizes {' '.join(sizes)} compares nothing: pass "
+                                            f"two or more different ones \\(--world_sizes 1 2\\) or "
+                                            f"another --python$"):
+            check_equivalence.main(["--world_sizes", *sizes, f"--out_dir={tmp_path}",
+                                    f"--data_dir={tmp_path / 'none'}"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tmp_path, capsys):
@@ -198,6 +260,23 @@ def test_the_hellaswag_references_are_drawn_beside_data_only(tmp_path, monkeypat
               for fig in figures]
     assert len(panels[0].lines) == 0
     assert len(panels[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
+
+
+def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):
+    """A NaN or infinite loss is a gap in the raw and smoothed curves, not their end; a log with
+    val losses alone draws them."""
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+    losses = [3.0, float("nan"), 2.9, float("inf"), *np.linspace(2.8, 2.0, 96)]
+    plot.plot({"run": [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]},
+              tmp_path / "plot.png")
+    plot.plot({"run": [{"step": 50, "val_loss": 3.0}, {"step": 100, "val_loss": 2.5}]},
+              tmp_path / "plot.png")
+    raw, smoothed = figures[0].axes[0].lines
+    assert len(smoothed.get_ydata()) == 98 and np.isfinite(smoothed.get_ydata()).all()
+    assert list(raw.get_xdata()[:3]) == [1, 3, 5]
+    (val,) = figures[1].axes[0].lines
+    assert list(val.get_ydata()) == [3.0, 2.5] and not figures[1].axes[0].texts
 
 
 def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):

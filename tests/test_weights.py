@@ -188,6 +188,24 @@ def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny
     assert (tmp_path / "hf.tmp" / "keep.txt").read_text() == "mine"
 
 
+def test_export_into_an_empty_current_directory_or_through_a_dangling_symlink(hf_tiny, tmp_path,
+                                                                              monkeypatch):
+    """An empty current directory stays and the files go into it (a shell in it sees them); a
+    dangling symlink's target is made; a directory the user filled is refused, untouched."""
+    files = ["config.json", "merges.txt", "model.safetensors", "tokenizer_config.json", "vocab.json"]
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    export_hf.main([str(hf_tiny), "."])
+    assert sorted(os.listdir(".")) == files
+    with pytest.raises(UserError, match="^\\. exists and is not an empty directory: pick a directory "
+                                        "that does not exist yet$"):
+        export_hf.main([str(hf_tiny), "."])
+    (tmp_path / "link").symlink_to(tmp_path / "there")
+    export_hf.main([str(hf_tiny), str(tmp_path / "link")])
+    assert sorted(os.listdir(tmp_path / "there")) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "there"]
+
+
 SOURCES = ("a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or gpt2, "
            "gpt2-medium, gpt2-large, gpt2-xl")
 

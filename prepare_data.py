@@ -22,13 +22,17 @@ their listed sizes, and makes them again when not.
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import glob
 import json
-import multiprocessing
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +42,7 @@ from tqdm import tqdm
 from gpt2_ddp import configurator
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import MAX_SHARD_TOKENS, file_size, read_json, shard_name, write_shard
+from gpt2_ddp.shards import MAX_SHARD_TOKENS, changed_shard, file_size, read_json, shard_name, write_shard
 from gpt2_ddp.tokenizer import ASSETS_DIR, EOT_TOKEN, gpt2_encoding
 
 TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
@@ -48,24 +52,33 @@ READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parqu
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 
-PART_CHARS = 1 << 20  # documents are tokenized in parts of about this many characters
-# a part ends before a newline that follows a letter or digit: GPT-2's pre-tokenizer never joins
-# the two, so the parts' tokens are the whole document's (tested)
-PART_END = re.compile(r"(?<=[^\W_])\n")
+PART_CHARS = 1 << 19  # the most characters tokenized at once: tiktoken's memory grows with them
+# a part ends before a space, tab or newline that follows another character: GPT-2's pre-tokenizer
+# never joins the two, so the parts' tokens are the whole document's (tested)
+PART_END = re.compile(r"(?<=\S)[ \t\n\r]")
 
 
-def _parts(texts):
-    """Yields (part, first) for each text: the text, or for one longer than 2 * PART_CHARS its
-    consecutive parts, cut at PART_END; first is True for a document's first part."""
-    for text in texts:
-        start = 0
-        while len(text) - start > 2 * PART_CHARS:
-            cut = PART_END.search(text, start + PART_CHARS)
-            if cut is None:
-                break
-            yield text[start:cut.start()], start == 0
-            start = cut.start()
-        yield text[start:], start == 0
+def _parts(sources, field):
+    """Yields (part, first) for every non-empty document of the (where, rows()) sources: the text, or
+    for one over PART_CHARS characters its consecutive parts, cut at PART_END; first is True for a
+    document's first part. Raises UserError naming the file that vanished, or the file and row (line,
+    for json) unreadable, without text in `field`, or with PART_CHARS // 2 characters and no cut."""
+    for where, rows in sources:
+        try:
+            for name, row in rows():
+                text, start = _text(name, row, field), 0
+                while len(text) - start > PART_CHARS:
+                    cut = PART_END.search(text, start + PART_CHARS // 2, start + PART_CHARS)
+                    if cut is None:
+                        raise UserError(f"{name} has {PART_CHARS // 2:,} characters with no space, tab or "
+                                        f"newline after another; too long to tokenize, split or remove it")
+                    yield text[start:cut.start()], start == 0
+                    start = cut.start()
+                if text:  # an empty document would add nothing but an <|endoftext|>
+                    yield text[start:], start == 0
+        except OSError as e:
+            raise UserError(f"{where} vanished or changed while prepare_data read it ({e.strerror}); "
+                            f"rerun") from None
 
 
 def _tokenize_parts(parts):
@@ -90,32 +103,27 @@ def _batches(parts, docs_per_task):
         yield batch
 
 
-def _tokenized(texts, workers, docs_per_task=256):
-    """Yields (tokens, bytes) for each batch of the documents `texts`, in input order: the batch's
-    token array (<|endoftext|> before each document) and how many UTF-8 bytes of text it holds."""
-    batches = _batches(_parts(texts), docs_per_task)
+def _tokenized(parts, workers, docs_per_task=256):
+    """Yields (tokens, bytes) for each batch of the (part, first) `parts`, in input order: the batch's
+    token array (<|endoftext|> before each document) and how many UTF-8 bytes of text it holds.
+    Raises UserError when a worker process dies (killed for memory, say)."""
+    batches = _batches(parts, docs_per_task)
     if workers == 1:
         yield from map(_tokenize_parts, batches)
         return
-    with multiprocessing.Pool(workers) as pool:
-        # a bounded window of tasks keeps memory flat and the workers busy, results in order
-        in_flight = collections.deque()
-        for batch in batches:
-            in_flight.append(pool.apply_async(_tokenize_parts, (batch,)))
-            if len(in_flight) > 2 * workers:
-                yield in_flight.popleft().get()
-        while in_flight:
-            yield in_flight.popleft().get()
-
-
-def _texts(sources, field):
-    """Yields the text of every non-empty document of the (where, rows()) sources. Raises UserError
-    naming the file and row (line, for json) for a row unreadable or without text in `field`."""
-    for _, rows in sources:
-        for name, row in rows():
-            text = _text(name, row, field)
-            if text:  # an empty document would add nothing but an <|endoftext|>
-                yield text
+    with ProcessPoolExecutor(workers, initializer=signal.signal,  # Ctrl-C: the main process ends the run
+                             initargs=[signal.SIGINT, signal.SIG_IGN]) as pool:
+        try:  # a bounded window of tasks keeps memory flat and the workers busy, results in order
+            in_flight = collections.deque()
+            for batch in batches:
+                in_flight.append(pool.submit(_tokenize_parts, batch))
+                if len(in_flight) > 2 * workers:
+                    yield in_flight.popleft().result()
+            while in_flight:
+                yield in_flight.popleft().result()
+        except BrokenExecutor:
+            raise UserError(f"a tokenizer worker died (killed, by the out-of-memory killer?); nothing was "
+                            f"written; free memory or lower --workers (now {workers}), and rerun") from None
 
 
 def _text(name, row, field):
@@ -306,60 +314,100 @@ def main(argv=None):
               "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
                                                         "val_tokens", "val_fraction", "skip_bad_files")}}
     manifest_path = out_dir / f"{name}_manifest.json"
-    overwrite = args.overwrite
-    if out_dir.is_dir() and any(out_dir.glob("*.bin")) and not overwrite:
-        recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
-        if recorded != source:
-            raise UserError(f"{out_dir} already has .bin files, made from other input or options; pass "
-                            f"--overwrite to replace its {name}_*.bin shards, or pick another --output_dir")
-        changed = _changed_shard(out_dir, name, manifest_path)
-        if changed is None:
-            print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
-            return
-        print(f"{changed}: making the shards of this input again")
-        overwrite = True  # the manifest shows that this input and these options made them
+    with _locked(out_dir):
+        for commit in out_dir.glob(".*.commit"):  # a run was stopped while it moved its shards in
+            _finish_commit(out_dir, commit.name[1:-len(".commit")])
+        if any(out_dir.glob("*.bin")) and not args.overwrite:
+            recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
+            if recorded != source:
+                raise UserError(f"{out_dir} already has .bin files, made from other input or options; "
+                                f"pass --overwrite to replace its {name}_*.bin shards, or pick another "
+                                f"--output_dir")
+            if (changed := changed_shard(out_dir, name)) is None:
+                print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
+                return
+            print(f"{changed}: making the shards of this input again")
 
-    sources = _sources(args, files, reader)
-    for _, rows in sources:
-        first = next(rows(), None)
-        if first is not None:
-            _text(*first, args.text_field)
-
-    # shards move in from a staging dir only once all are complete, so a killed run leaves no
-    # partial dataset; it is made before tokenizing, so an unwritable out_dir fails at once
-    made_out_dir = not out_dir.exists()
-    staging = out_dir / ".partial"
-    try:
+        sources = _sources(args, files, reader)
+        for _, rows in sources:
+            first = next(rows(), None)
+            if first is not None:
+                _text(*first, args.text_field)
+        # shards and manifest are made in a staging dir (this run's alone, under the lock) and committed
+        staging = out_dir / ".partial"
         if staging.is_symlink() or staging.is_file():
             staging.unlink()
         elif staging.exists():
             shutil.rmtree(staging)  # left by a killed run
-        staging.mkdir(parents=True)
-    except OSError as e:
-        raise UserError(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output_dir")
-    try:
-        writer = _write_shards(args, sources, what, name, staging)
-    except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
-        shutil.rmtree(staging)
-        if made_out_dir:
-            shutil.rmtree(out_dir)
-        raise
-
-    old_shards = _old_shards(out_dir, name, manifest_path) if overwrite else []
-    # the loader trusts a manifest's max_token_id by shard name, size and mtime: gone before they move
-    manifest_path.unlink(missing_ok=True)
-    for path in old_shards:
-        path.unlink(missing_ok=True)
-    for path in sorted(staging.glob("*.bin")):
-        os.replace(path, out_dir / path.name)
-    staging.rmdir()
-    shards = sorted(writer.shards, key=lambda shard: shard["file"])  # the manifest lists them by name
-    manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
-    atomic_write(manifest_path, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
-    print(f"wrote {len(writer.shards)} shard(s) to {out_dir}")
+        staging.mkdir()
+        try:
+            writer = _write_shards(args, sources, what, name, staging)
+            shards = sorted(writer.shards, key=lambda shard: shard["file"])  # listed by name
+            manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
+            atomic_write(staging / manifest_path.name,
+                         lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
+        except BaseException:  # an error or Ctrl-C: nothing half-made stays behind
+            shutil.rmtree(staging)
+            raise
+        os.replace(staging, out_dir / f".{name}.commit")  # from here, a killed run's shards replace the old
+        _finish_commit(out_dir, name)
+    print(f"wrote {len(shards)} shard(s) to {out_dir}")
     for split in ("val", "train"):
-        tokens = [s["tokens"] for s in writer.shards if shard_name(s["file"])[1] == split]
+        tokens = [s["tokens"] for s in shards if shard_name(s["file"])[1] == split]
         print(f"  {split:5s}: {len(tokens):4d} shard(s) {sum(tokens):15,d} tokens")
+
+
+@contextlib.contextmanager
+def _locked(out_dir):
+    """Holds an exclusive flock on {out_dir}/.prepare_data.lock, making out_dir, while the with block
+    runs: runs on one output dir, on any node of a shared filesystem, go one at a time, and one that
+    waits says so. Raises UserError when out_dir cannot be made, written or locked."""
+    path = out_dir / ".prepare_data.lock"
+    try:
+        while True:
+            made = not out_dir.exists()
+            out_dir.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                print(f"waiting for the other prepare_data run on {out_dir} "
+                      f"({f.read().strip() or 'starting'}) to end", flush=True)
+                fcntl.flock(f, fcntl.LOCK_EX)
+            if path.exists() and os.path.samestat(os.fstat(f.fileno()), path.stat()):
+                break
+            f.close()  # the run before removed the file this one locked: lock the new one
+        f.truncate(0)
+        print(f"pid {os.getpid()} on {socket.gethostname()}", file=f, flush=True)
+    except OSError as e:
+        raise UserError(f"cannot write to {out_dir}: {e.strerror}; pick a writable --output_dir") from None
+    try:
+        yield
+    finally:
+        path.unlink()  # while locked, so that a run waiting on this file locks a new one
+        if made and not any(out_dir.iterdir()):  # a failed run leaves no empty dir
+            out_dir.rmdir()
+        f.close()
+
+
+def _finish_commit(out_dir, name):
+    """Puts the shards of {out_dir}/.{name}.commit, a finished run's, in place of out_dir's shards of
+    `name`, then its manifest, and removes it; safe to repeat, so the next run on out_dir finishes
+    what a killed run began. Removed: the files its old manifest lists with names ending in .bin, and
+    any shards.shard_name reads as one of `name` (llm.c's too, or any a lost manifest misses)."""
+    commit, manifest_path = out_dir / f".{name}.commit", out_dir / f"{name}_manifest.json"
+    new = read_json(commit / manifest_path.name, lambda m: {e["file"] for e in m["shards"]})
+    if new is not None:  # else the manifest, moved in last, is in place
+        old = read_json(manifest_path, lambda m: {e["file"] for e in m["shards"]}) or set()
+        for f in os.listdir(out_dir):
+            if f not in new and (shard_name(f) in {(name, "train"), (name, "val")} or
+                                 f in old and f.endswith(".bin")):
+                os.unlink(out_dir / f)
+        for path in sorted(commit.glob("*.bin")):
+            os.replace(path, out_dir / path.name)
+        os.replace(commit / manifest_path.name, manifest_path)
+    commit.rmdir()
 
 
 def _inputs(args):
@@ -468,38 +516,6 @@ def _dataset_rows(where, dataset):
         raise _read_error(where, e) from None
 
 
-def _changed_shard(out_dir, name, manifest_path):
-    """None if out_dir's shards of `name` are the files its manifest lists, of the sizes it lists;
-    else what differs, in words. Raises UserError for a file named like a shard of `name` that
-    the manifest does not list, which the loader would read with them."""
-    listed = read_json(manifest_path, lambda m: {e["file"]: e["bytes"] for e in m["shards"]})
-    if listed is None:
-        return f"{manifest_path} lists no shards"
-    for file, size in sorted(listed.items()):
-        path = out_dir / file
-        if not path.is_file():
-            return f"{path}, which {manifest_path.name} lists, is missing"
-        if path.stat().st_size != size:
-            return f"{path} is {path.stat().st_size} bytes, not the {size} {manifest_path.name} lists"
-    unlisted = sorted(f for f in os.listdir(out_dir)
-                      if shard_name(f) in {(name, "train"), (name, "val")} and f not in listed)
-    if unlisted:
-        raise UserError(f"{out_dir / unlisted[0]} is named like a shard of {name} but {manifest_path.name} "
-                        f"does not list it, so training would read it with them; move it out, or pass "
-                        f"--overwrite to remove it and make the shards again")
-    return None
-
-
-def _old_shards(out_dir, name, manifest_path):
-    """The paths of the shards of `name` in out_dir that --overwrite removes: those its manifest
-    lists, and any file shards.shard_name reads as one of `name` (llm.c's too, or any a lost
-    manifest or one without a list misses). Listed names with a directory or without .bin stay."""
-    listed = read_json(manifest_path, lambda m: {e["file"] for e in m["shards"]}) or set()
-    return sorted(out_dir / f for f in os.listdir(out_dir)
-                  if shard_name(f) in {(name, "train"), (name, "val")}
-                  or (f in listed and f.endswith(".bin")))
-
-
 def _write_shards(args, sources, what, name, staging):
     """Tokenizes the sources into shards in `staging`; returns the _ShardWriter. Without
     --val_tokens (and for local files), a first pass counts the tokens to size the val split."""
@@ -510,7 +526,7 @@ def _write_shards(args, sources, what, name, staging):
         total = 0
         size = sum(os.path.getsize(where) for where, _ in sources)  # local files: a known total
         with tqdm(total=size, desc="counting tokens", unit="B", unit_scale=True) as bar:
-            for tokens, n_bytes in _tokenized(_texts(sources, args.text_field), args.workers):
+            for tokens, n_bytes in _tokenized(_parts(sources, args.text_field), args.workers):
                 total += len(tokens)
                 bar.update(n_bytes)
                 bar.set_postfix_str(f"{total:,} tokens")
@@ -524,7 +540,7 @@ def _write_shards(args, sources, what, name, staging):
     writer = _ShardWriter(staging, name, args.shard_size)
     val_left = val_tokens
     with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
-        for tokens, _ in _tokenized(_texts(sources, args.text_field), args.workers):
+        for tokens, _ in _tokenized(_parts(sources, args.text_field), args.workers):
             bar.update(len(tokens))
             head = tokens[:val_left]
             val_left -= len(head)

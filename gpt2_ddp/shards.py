@@ -25,6 +25,7 @@ HEADER_INTS = 256
 MAX_SHARD_TOKENS = 2**31 - 1  # the token count is stored in an int32 header field
 FIX = "remake the shards with `python prepare_data.py --overwrite` (see README)"
 SHARD_NAME = re.compile(r"(?P<dataset>.+)_(?P<split>train|val)(?:_\d+)?\.bin")
+ROOT = Path(__file__).resolve().parent.parent  # where prepare_data.py writes data/<name>/
 
 
 def write_shard(path, tokens):
@@ -120,31 +121,68 @@ def shard_name(filename):
 
 
 def split_paths(data_dir, split, dataset="", required=False):
-    """The paths of one split's shards in data_dir (as shard_name reads them), in name order:
-    those of `dataset`, or of the only dataset there. Raises UserError when `dataset` is empty and
-    data_dir holds several datasets' shards (rather than mix corpora), when data_dir is a file,
-    and, if `required`, when there are none, naming the command that makes them."""
+    """The paths of one split's shards in data_dir (as shard_name reads them), in name order: those
+    of `dataset`, or of the only dataset there. Raises UserError when data_dir is a file, holds the
+    shards of several datasets and `dataset` is empty, holds a stopped prepare_data.py run's commit
+    dir, or fails changed_shard, and, if `required`, when there are none, naming what makes them."""
     data_dir = Path(data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         raise UserError(f"data_dir {data_dir} is a file, not a directory of shards; pass the directory "
                         f"that holds the shards")
     named = {p: found for p in data_dir.glob("*.bin") if (found := shard_name(p.name))}
-    if not dataset:
-        names = sorted({d for d, _ in named.values()})
-        if len(names) > 1:
-            raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(names)}): "
-                            f"pass --dataset=NAME to train on one, or move the others out")
+    names = sorted({d for d, _ in named.values()})
+    chosen = dataset or (names[0] if len(names) == 1 else "")
+    for commit in [data_dir / f".{chosen}.commit"] if chosen else data_dir.glob(".*.commit"):
+        if commit.exists():
+            raise UserError(f"{commit} holds shards that a stopped prepare_data.py run was moving into "
+                            f"{data_dir}; rerun that prepare_data.py command, which finishes the move")
+    if len(names) > 1 and not dataset:
+        raise UserError(f"{data_dir} holds the shards of {len(names)} datasets ({', '.join(names)}): "
+                        f"pass --dataset=NAME to train on one, or move the others out")
+    if changed := chosen and changed_shard(data_dir, chosen):
+        raise UserError(f"{changed}, so these are not the shards prepare_data.py made; rerun its "
+                        f"command to make them again")
     paths = sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
     if required and not paths:
-        makers = {"fineweb-edu": "bash scripts/prepare_fineweb_edu.sh",
-                  "tinyshakespeare": "python prepare_data.py"}
-        maker = makers.get(data_dir.name, f"python prepare_data.py --input FILES --name {data_dir.name} "
-                           f"--output_dir {data_dir}")
-        name = dataset or "NAME"
-        raise UserError(f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) "
-                        f"in {data_dir}; make them with `{maker}`, or try the small CPU config: "
-                        f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")
+        name = dataset or data_dir.resolve().name
+        missing = f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) in {data_dir}"
+        if dataset and names and dataset not in names:
+            raise UserError(f"{missing}, which holds the shards of {', '.join(names)}: pass --dataset= one "
+                            f"of them")
+        here = ROOT.relative_to(Path.cwd()) if ROOT.is_relative_to(Path.cwd()) else ROOT  # from the cwd
+        maker = {"fineweb-edu": f"bash {here / 'scripts' / 'prepare_fineweb_edu.sh'}",
+                 "tinyshakespeare": f"python {here / 'prepare_data.py'}"}.get(
+                     name, f"python {here / 'prepare_data.py'} --input FILES --name {name}")
+        if data_dir.resolve() != (ROOT / "data" / name).resolve():  # not where the command writes by default
+            maker += f" --output_dir {data_dir}"
+        raise UserError(f"{missing}; make them with `{maker}`, or try the small CPU config: "
+                        f"{'' if here == Path() else f'cd {here} && '}python prepare_data.py && python "
+                        f"train_gpt2.py configs/shakespeare_cpu.toml")
     return paths
+
+
+def changed_shard(data_dir, name):
+    """None if data_dir holds no {name}_manifest.json, or if its shards of dataset `name` are the
+    files the manifest lists, at the sizes in bytes it lists (stat calls only); else the first
+    difference, in words. Raises UserError for a file named like a shard of `name` that the
+    manifest does not list, which training would read with them."""
+    data_dir, manifest = Path(data_dir), Path(data_dir) / f"{name}_manifest.json"
+    listed = read_json(manifest, lambda m: {e["file"]: e["bytes"] for e in m["shards"]})
+    if listed is None:
+        return f"{manifest} lists no shards" if manifest.exists() else None
+    for file, size in sorted(listed.items()):
+        path = data_dir / file
+        if not path.is_file():
+            return f"{path}, which {manifest.name} lists, is missing"
+        if path.stat().st_size != size:
+            return f"{path} is {path.stat().st_size} bytes, not the {size} {manifest.name} lists"
+    unlisted = sorted(f for f in os.listdir(data_dir)
+                      if shard_name(f) in {(name, "train"), (name, "val")} and f not in listed)
+    if unlisted:
+        raise UserError(f"{data_dir / unlisted[0]} is named like a shard of {name} but {manifest.name} "
+                        f"does not list it, so training would read it with them; move it out, or pass "
+                        f"prepare_data.py --overwrite to remove it and make the shards again")
+    return None
 
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):

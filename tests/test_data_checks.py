@@ -4,6 +4,7 @@ is wrong with it: gpt2_ddp/shards.py's checks, which train_gpt2.py runs as it bu
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import pytest
 import train_gpt2
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import write_shard
+from gpt2_ddp.shards import split_paths, write_shard
+import prepare_data
 
 
 def refused(data_dir, out_dir):
@@ -110,3 +112,61 @@ def test_a_data_dir_that_is_a_file_is_named(tmp_path):
     shard = tmp_path / "data" / "tiny_train_000001.bin"
     assert refused(shard, tmp_path / "out") == (f"data_dir {shard} is a file, not a directory of "
                                                 f"shards; pass the directory that holds the shards")
+
+
+def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(tmp_path):
+    """Where prepare_data.py's manifest is, a shard it does not list, or one it lists that is
+    missing or of another size in bytes, is refused before any training (not one of another
+    mtime: cp gives a copy a new one). Shards without a manifest, as llm.c makes them, are read."""
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world. " * 20)
+    data = tmp_path / "data"
+    prepare_data.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(data), "--workers", "1",
+                       "--shard_size", "50", "--val_tokens", "50"])
+    train = split_paths(data, "train", required=True)
+    assert len(train) == 3
+    shutil.copy(train[0], tmp_path / "copy.bin")
+    shutil.copy(tmp_path / "copy.bin", train[0])  # the same bytes, a new mtime
+    assert split_paths(data, "train", "a", required=True) == train
+    stray = data / "a_train_000009.bin"
+    write_shard(stray, np.arange(50))
+    assert refused(data, tmp_path / "out") == (
+        f"{stray} is named like a shard of a but a_manifest.json does not list it, so training would read "
+        f"it with them; move it out, or pass prepare_data.py --overwrite to remove it and make the "
+        f"shards again")
+    stray.unlink()
+    rerun = ", so these are not the shards prepare_data.py made; rerun its command to make them again"
+    train[1].rename(tmp_path / "moved.bin")
+    with pytest.raises(UserError, match=f"^{re.escape(f'{train[1]}, which a_manifest.json lists, is missing{rerun}')}$"):
+        split_paths(data, "val", required=True)
+    (tmp_path / "moved.bin").rename(train[1])
+    sized_over_header(train[1])
+    with pytest.raises(UserError, match=f"^{train[1]} is 1126 bytes, not the 1124 a_manifest.json lists{rerun}$"):
+        split_paths(data, "train", required=True)
+    (data / "a_manifest.json").unlink()
+    assert split_paths(data, "train", required=True) == train
+
+
+def test_a_dataset_that_data_dir_lacks_is_named_with_those_it_holds(tmp_path):
+    for name in ("tinyshakespeare", "books"):
+        write_shard(tmp_path / f"{name}_val_000000.bin", np.arange(10))
+    with pytest.raises(UserError, match=re.escape(
+            f"no train shards (nomatch_train_NNNNNN.bin or llm.c's nomatch_train.bin) in {tmp_path}, which "
+            f"holds the shards of books, tinyshakespeare: pass --dataset= one of them")):
+        split_paths(tmp_path, "train", "nomatch", required=True)
+
+
+def test_the_advice_for_missing_shards_makes_them_where_data_dir_points_from_any_cwd(tmp_path, monkeypatch):
+    """data_dir is relative to the cwd, prepare_data.py's default output dir to the script: from
+    another cwd, the advice names the script by its path and data_dir as its --output_dir."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape(
+            f"make them with `python {ROOT}/prepare_data.py --input FILES --name books --output_dir "
+            f"d/books`, or try the small CPU config: cd {ROOT} && python prepare_data.py && ")):
+        split_paths("d/books", "train", required=True)
+    with pytest.raises(UserError) as info:
+        split_paths("data/tinyshakespeare", "train", required=True)
+    advice = re.search("make them with `python ([^`]*)`", str(info.value))[1]
+    assert advice == f"{ROOT}/prepare_data.py --output_dir data/tinyshakespeare"
+    subprocess.run([sys.executable, *advice.split(), "--workers", "2"], check=True, capture_output=True)
+    assert [p.name for p in split_paths("data/tinyshakespeare", "train", required=True)] == [
+        "tinyshakespeare_train_000001.bin"]

@@ -3,8 +3,13 @@
 import json
 import os
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,7 +18,7 @@ import pytest
 from conftest import ROOT
 from gpt2_ddp import tokenizer
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_shard
+from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, split_paths, write_shard
 import prepare_data
 from prepare_data import EOT_TOKEN, TINYSHAKESPEARE_PATH, gpt2_encoding, main
 
@@ -182,13 +187,22 @@ def test_same_input_gives_identical_bytes(default_run, tmp_path):
 
 
 def test_long_documents_are_tokenized_in_parts_with_the_same_tokens(monkeypatch):
-    """A long document is cut into parts before a newline that follows a letter or digit, so that
-    progress moves within it; the parts' tokens are the whole document's."""
-    monkeypatch.setattr(prepare_data, "PART_CHARS", 500)
+    """A long document is cut into parts of at most PART_CHARS characters before a space, tab or
+    newline that follows another character, so that progress moves within it and tiktoken's memory
+    is bounded; the parts' tokens are the whole document's, whatever the characters around a cut
+    (Python's whitespace and tiktoken's differ: \x1c is one only to Python)."""
+    monkeypatch.setattr(prepare_data, "PART_CHARS", 100)
     shakespeare = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8")
     mixed = "".join(f"Line {i}: Ça va? Привет 你好 ½ 🤖 x²\n\n  \t{i}\n'tis\n" for i in range(300))
-    for text in (shakespeare[:200_000], mixed):
-        batches = list(prepare_data._tokenized([text, "a short one"], 1))
+    rng = np.random.default_rng(0)
+    pieces = ["\x1c", "\u3000", "\xa0", "'s", "'", "é", "e\u0301", "x", "Ab", "7", "½", "!", "?!", "—",
+              "你", "🤖", "_", "\x85"]
+    fuzz = "".join(rng.choice(pieces, 5)) + "".join(rng.choice(pieces + [" ", "  ", "\n", "\t", "\r\n"], 20_000))
+    for text in (shakespeare[:100_000], mixed, fuzz):
+        sources = [("mem", lambda: iter([("doc", {"text": text}), ("doc2", {"text": "a short one"})]))]
+        parts = list(prepare_data._parts(sources, "text"))
+        assert len(parts) > 100 and max(len(part) for part, _ in parts) <= 100
+        batches = list(prepare_data._tokenized(iter(parts), 1))
         assert len(batches) > 10
         tokens = np.concatenate([t for t, _ in batches]).tolist()
         assert tokens == doc_tokens(text, "a short one")
@@ -383,29 +397,59 @@ def test_overwrite_removes_the_earlier_shards_and_nothing_else(tmp_path):
     check_manifest(out_dir, "a")
 
 
-def test_no_manifest_lies_beside_shards_being_moved_in(tmp_path, monkeypatch):
-    """The loader trusts a listed shard's max_token_id by name and size: a run killed while it
-    moves its shards in must not leave the old manifest beside them."""
+class Killed(BaseException):
+    """Stands in for a SIGKILL: nothing catches it."""
+
+
+def test_a_run_killed_as_it_moves_its_shards_in_leaves_the_old_or_the_new_dataset(tmp_path, monkeypatch,
+                                                                                   capsys):
+    """--overwrite's shards and manifest move in from a commit dir once all are made. Killed at any
+    move, a run leaves the old dataset (before the commit dir is there) or one that training refuses
+    and the next prepare_data run on the dir finishes, with the new manifest: never a mix."""
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
-    out_dir = tmp_path / "out"
-    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2,
-              "--shard_size", 2, "--overwrite"]
-    run(*common)
+    out_dir, commit = tmp_path / "out", tmp_path / "out" / ".a.commit"
+    common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2]
+
+    def shards():  # each shard's bytes, once the manifest lists them all
+        check_manifest(out_dir, "a")
+        return {name: (out_dir / name).read_bytes() for name in names(out_dir)}
+
+    datasets = []
+    for shard_size in (2, 3):  # 5 shards, then 4 of the same names, two of them holding other tokens
+        run(*common, "--shard_size", shard_size, "--overwrite")
+        datasets.append(shards())
+    old, new = datasets
+    assert len(old) == 5 and len(new) == 4 and old.keys() > new.keys()
     real_replace = os.replace
+    for kill_at in range(6):  # the commit dir's rename, then 4 shards and the manifest moving out of it
+        run(*common, "--shard_size", 2, "--overwrite")
+        moves = []
 
-    def killed_after_one_shard(src, dst):
-        if os.path.dirname(dst) == str(out_dir) and any(out_dir.glob("a_*.bin")):
-            raise KeyboardInterrupt
-        real_replace(src, dst)
+        def killed(src, dst):
+            if os.path.dirname(dst) == str(out_dir):
+                moves.append(dst)
+                if len(moves) == kill_at + 1:
+                    raise Killed
+            real_replace(src, dst)
 
-    monkeypatch.setattr(prepare_data.os, "replace", killed_after_one_shard)
-    with pytest.raises(KeyboardInterrupt):
-        run(*common)
-    monkeypatch.undo()
-    assert len(list(out_dir.glob("a_*.bin"))) == 1
-    assert not (out_dir / "a_manifest.json").exists()
-    run(*common)
-    check_manifest(out_dir, "a")
+        monkeypatch.setattr(prepare_data.os, "replace", killed)
+        with pytest.raises(Killed):
+            run(*common, "--shard_size", 3, "--overwrite")
+        monkeypatch.undo()
+        if kill_at == 0:
+            shutil.rmtree(out_dir / ".partial")  # what the next run removes first
+            assert shards() == old
+            assert len(split_paths(out_dir, "train", required=True)) == 4
+            continue
+        with pytest.raises(UserError, match=f"^{commit} holds shards that a stopped prepare_data.py run "
+                                            f"was moving into {out_dir}; rerun that prepare_data.py"):
+            split_paths(out_dir, "train", required=True)
+        capsys.readouterr()
+        run(*common, "--shard_size", 3)  # finishes the move, and then has nothing to do
+        assert capsys.readouterr().out.endswith("nothing to do\n") and shards() == new
+    commit.mkdir()  # killed after the manifest moved in, before the commit dir was removed
+    run(*common, "--shard_size", 3)
+    assert shards() == new and not commit.exists()
 
 
 def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
@@ -651,3 +695,136 @@ def test_an_unreachable_hub_is_one_line_after_its_retries(tmp_path):
     assert proc.stdout == "opening HuggingFaceFW/fineweb-edu on the Hugging Face hub\n"
     assert re.fullmatch(r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: [^\n]+\n",
                         proc.stderr), proc.stderr
+
+
+# ---------------------------------------------------------------------------- runs stopped or at once
+
+
+def prepare(*args, **popen):
+    """The prepare_data.py command, started: its stdout and stderr are pipes of text."""
+    return subprocess.Popen([sys.executable, "prepare_data.py", *map(str, args)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_two_runs_at_once_on_one_output_dir_take_turns(tmp_path):
+    """Nodes sharing a filesystem each prepare the same data into one dir: the second run waits,
+    saying for whom, and then has nothing to do. No run removes the other's staging or shards."""
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    out_dir, lock = tmp_path / "out", tmp_path / "out" / ".prepare_data.lock"
+    command = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1]
+    first = prepare(*command)
+    while first.poll() is None and not (lock.exists() and lock.read_text().startswith("pid")):
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)  # holding the lock, until the second run says it waits
+    try:
+        assert lock.read_text() == f"pid {first.pid} on {socket.gethostname()}\n"
+        second = prepare(*command)
+        assert second.stdout.readline() == (f"waiting for the other prepare_data run on {out_dir} "
+                                            f"(pid {first.pid} on {socket.gethostname()}) to end\n")
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.communicate(timeout=60)[0].startswith(f"wrote 2 shard(s) to {out_dir}\n")
+    assert second.communicate(timeout=60)[0] == (f"{out_dir} already holds the shards of this input "
+                                                 f"and these options: nothing to do\n")
+    assert first.returncode == second.returncode == 0
+    assert names(out_dir) == ["a_train_000001.bin", "a_val_000000.bin"]
+    check_manifest(out_dir, "a")
+
+
+def started_with_workers(tmp_path, **popen):
+    """prepare_data.py on many short documents that keep 2 tokenizer workers busy for seconds, once
+    both have started; and their pids."""
+    lines = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8").splitlines() * 2
+    write_rows(tmp_path / "big.jsonl", [{"text": line} for line in lines])
+    proc = prepare("--input", tmp_path / "big.jsonl", "--output_dir", tmp_path / "out", "--workers", 2, **popen)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    while proc.poll() is None and len(children.read_text().split()) < 2:
+        time.sleep(0.01)
+    assert proc.poll() is None, "prepare_data.py ended before its workers could be found"
+    return proc, [int(pid) for pid in children.read_text().split()]
+
+
+def test_a_killed_tokenizer_worker_ends_the_run_in_one_line(tmp_path):
+    """A worker killed by the out-of-memory killer (SIGKILL) hung multiprocessing.Pool forever."""
+    proc, workers = started_with_workers(tmp_path)
+    os.kill(workers[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == (
+        "prepare_data.py: error: a tokenizer worker died (killed, by the out-of-memory killer?); nothing "
+        "was written; free memory or lower --workers (now 2), and rerun")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_stops_the_workers_quietly_and_leaves_nothing(tmp_path):
+    """Ctrl-C reaches the whole process group. The workers ignore it, so that only the main process
+    reports it, in one line (configurator.run), and the staging dir and the lock go."""
+    proc, workers = started_with_workers(tmp_path, start_new_session=True)
+    shown = ""
+    while "tokens]" not in shown:  # the progress bar counts the workers' first tokens
+        shown += proc.stderr.read(1) or pytest.fail(f"prepare_data.py ended first: {shown}")
+    proc.send_signal(signal.SIGSTOP)  # the workers finish their batches and wait for more
+    while any(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S" for pid in workers):
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    stderr = shown + proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == "prepare_data.py: interrupted"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_document_with_nowhere_to_cut_is_refused_in_one_line(tmp_path):
+    """tiktoken's memory grows with its longest piece of text without whitespace, and its regex
+    fails on a long whitespace run: a document with nowhere to cut one off is named instead."""
+    blob = "x" * (prepare_data.PART_CHARS + 1)
+    write_rows(tmp_path / "a.jsonl", [{"text": "fine"}, {"text": "Hi " + blob}])
+    proc = prepare("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out", "--workers", 2)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == (
+        f"prepare_data.py: error: {tmp_path / 'a.jsonl'} line 2 has 262,144 characters with no space, tab "
+        f"or newline after another; too long to tokenize, split or remove it")
+    (tmp_path / "a.txt").write_text("Hi" + "\n" * prepare_data.PART_CHARS)
+    with pytest.raises(UserError, match=f"^{tmp_path / 'a.txt'} has 262,144 characters with no space"):
+        run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", "--workers", 1)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ext", [".txt", ".jsonl"])
+def test_an_input_deleted_between_the_two_passes_is_named(tmp_path, monkeypatch, ext):
+    path = tmp_path / f"a{ext}"
+    text = "Hello world, hello world, hello world. " * 10
+    write_rows(path, [{"text": text}]) if ext == ".jsonl" else path.write_text(text)
+    real_tokenized, passes = prepare_data._tokenized, []
+
+    def deleted_before_the_second_pass(parts, workers):
+        passes.append(parts)
+        if len(passes) == 2:
+            path.unlink()
+        return real_tokenized(parts, workers)
+
+    monkeypatch.setattr(prepare_data, "_tokenized", deleted_before_the_second_pass)
+    with pytest.raises(UserError, match=f"^{path} vanished or changed while prepare_data read it \\(No such "
+                                        f"file or directory\\); rerun$"):
+        run("--input", path, "--output_dir", tmp_path / "out", "--workers", 1)
+    assert len(passes) == 2 and not (tmp_path / "out").exists()
+
+
+def test_the_quickstart_script_prepares_the_data_whatever_a_killed_run_left(tmp_path):
+    """It skipped prepare_data.py where data/tinyshakespeare existed, a killed run's staging dir
+    in it included; prepare_data.py itself says in a second that it has nothing to do."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "quickstart_cpu.sh", root / "scripts")
+    (root / "prepare_data.py").write_text("open('prepared', 'w').close()\n")
+    (root / "data" / "tinyshakespeare" / ".partial").mkdir(parents=True)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "bin" / "torchrun").write_text('#!/bin/sh\necho torchrun "$@"\n')
+    (tmp_path / "bin" / "torchrun").chmod(0o755)
+    proc = subprocess.run(["bash", root / "scripts" / "quickstart_cpu.sh", "--max_steps=1"], capture_output=True,
+                          text=True, env=dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}"))
+    assert proc.returncode == 0 and (root / "prepared").exists()
+    assert proc.stdout == ("torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml "
+                           "--max_steps=1\n")

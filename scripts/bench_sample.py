@@ -22,6 +22,7 @@ import torch
 from gpt2_ddp import configurator
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import CONV1D
+from gpt2_ddp.sampling import decoding_layout
 from train_gpt2 import GPT, Config
 
 PROMPT_TOKENS = 16
@@ -138,7 +139,7 @@ def main(argv):
     import transformers  # hf_twin found it
     prompt = torch.randint(0, 50257, (1, PROMPT_TOKENS))  # GPT-2's vocabulary, no padding ids
     with torch.no_grad():
-        ours_logits = copy.deepcopy(model).use_decoding_layout()(prompt)[0]
+        ours_logits = decoding_layout(copy.deepcopy(model))(prompt)[0]
         diff = (ours_logits - hf(prompt).logits).abs().max().item()
     print(f"{config.n_layer} layers, n_embd {config.n_embd}, {PROMPT_TOKENS}-token prompt, top_k "
           f"{TOP_K}; max |logits ours - transformers| on the prompt: {diff:.1e}; torch "
@@ -147,7 +148,7 @@ def main(argv):
     try:
         for name, device, threads in settings(cpu_threads, args.devices):
             torch.set_num_threads(threads)
-            sampler = copy.deepcopy(model).to(device).use_decoding_layout()
+            sampler = decoding_layout(copy.deepcopy(model).to(device))
             rows += time_setting(name, sampler, hf.to(device), prompt.to(device), args)
             del sampler
     finally:  # main() also runs in the tests' process

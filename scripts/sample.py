@@ -20,6 +20,7 @@ from gpt2_ddp import checkpoints, configurator
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.device import named_device
 from gpt2_ddp.gpt2_weights import SOURCES
+from gpt2_ddp.sampling import decoding_layout
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 from train_gpt2 import GPT
 
@@ -83,7 +84,7 @@ def main(argv):
         except UnicodeDecodeError as e:
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
-    model = GPT.from_pretrained(args.source, device).use_decoding_layout()
+    model = decoding_layout(GPT.from_pretrained(args.source, device))
     # on stderr, so that stdout holds the samples alone
     print(f"sampling from {checkpoints.resolve(args.source) or args.source}", file=sys.stderr)
     if args.compile:

@@ -1,10 +1,11 @@
 """GPT.generate's KV cache: the tokens and logits of running the whole window for every token,
-across block_size, for a batch, and at GPT-2 124M's shape; the same with use_decoding_layout()."""
+across block_size, for a batch, and at GPT-2 124M's shape; the same with sampling.decoding_layout()."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
+from gpt2_ddp.sampling import decoding_layout
 from train_gpt2 import GPT, Config
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=512)
@@ -50,7 +51,7 @@ def assert_cache_changes_nothing(shape, batch, prompt_len, max_new_tokens, tempe
             model, idx, max_new_tokens, torch.Generator().manual_seed(seed), temperature, top_k)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     # the model as it is trained, then as scripts/sample.py samples it
-    for sampler in (model, model.use_decoding_layout()):
+    for sampler in (model, decoding_layout(model)):
         tokens, logits = cached_generate(sampler, idx, max_new_tokens,
                                          torch.Generator().manual_seed(seed), temperature, top_k)
         assert tokens.shape == (batch, max_new_tokens)

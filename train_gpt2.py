@@ -29,6 +29,7 @@ a random state derived from (seed, step, m) alone. So world size changes only th
 """
 
 import dataclasses
+import errno
 import gc
 import hashlib
 import math
@@ -56,14 +57,15 @@ from tqdm import tqdm
 
 from gpt2_ddp import (checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan,
                       precision)
-from gpt2_ddp.collectives import (Stopped, agreed, all_reduce_max, catch_stop_signals, torchrun_env,
-                                  wait_for_master)
+from gpt2_ddp.collectives import (STOP_SIGNALS, Stopped, agreed, all_reduce_max, catch_stop_signals,
+                                  machine_failure, torchrun_env, wait_for_master)
 from gpt2_ddp.device import (check_torch_version, choose_device, keep_freed_cpu_memory,
                              make_deterministic)
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
 from gpt2_ddp.metrics import Metrics, log
 from gpt2_ddp.muon import Chain, Muon
+from gpt2_ddp.sampling import KVCache
 from gpt2_ddp.shards import check_token_ids, read_shard_header, read_tokens, split_paths
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 
@@ -143,6 +145,7 @@ class Config:
     profile: bool = False  # each rank writes a torch.profiler trace of 3 steps to out_dir
 
 
+PATH_KEYS = ("data_dir", "out_dir", "init_from", "hellaswag_path")  # ~ is expanded in each
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
@@ -158,6 +161,7 @@ CONFIG_RULES = {
                                      "checkpoint_interval", "keep_checkpoints", "muon_lr",
                                      "peak_flops")},
     **{key: FRACTION for key in ("dropout", "beta1", "beta2")},
+    **{key: (lambda v: v.strip() != "", "a path, not empty") for key in PATH_KEYS},
     "collective_timeout_s": (lambda v: 0 < v <= 10**8, "> 0 and <= 1e8 (3 years)"),
     "device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
                "auto, cpu, mps, cuda or cuda:N"),
@@ -173,6 +177,7 @@ def load_config(argv):
     """Builds a Config from `[CONFIG.toml] [--key=value ...]` (gpt2_ddp/configurator.py), then
     checks what involves several keys. Raises UserError, in one line, for any bad input."""
     config = configurator.load_config(argv, Config, CONFIG_RULES)
+    config = dataclasses.replace(config, **{k: os.path.expanduser(getattr(config, k)) for k in PATH_KEYS})
     if config.eval_interval > 0 and config.val_batches < 1:
         raise UserError(f"config key 'val_batches' must be >= 1 when eval_interval > 0, got "
                         f"{config.val_batches}; or pass --eval_interval=0 to turn eval off")
@@ -250,32 +255,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), cache, layer)
         x = x + self.mlp(self.ln_2(x))
         return x
-
-
-class KVCache:
-    """The keys and values of every layer's attention while sampling, so that each new token runs
-    through the model alone, as nanoGPT PR #76 and transformers' past_key_values do. k, v:
-    (n_layer, B, nh, length, hs), preallocated by the first store() in the dtype and on the device
-    of its keys; pos: the positions filled. A plain class, not a dataclass: FSDP2 casts a module's
-    inputs by rebuilding dataclasses, and the blocks would then fill a copy."""
-
-    def __init__(self, n_layer, length):
-        self.n_layer, self.length = n_layer, length
-        self.k = self.v = None
-        self.pos = 0
-
-    def store(self, layer, k, v):
-        """Writes k, v (B, nh, T, hs) of layer `layer` at positions pos..pos+T-1. Returns that
-        layer's keys and values of positions 0..pos+T-1, (B, nh, pos+T, hs) each: views of the
-        cache, not copies. GPT.forward advances pos once all layers have stored."""
-        if self.k is None:
-            B, nh, _, hs = k.shape
-            self.k = k.new_empty(self.n_layer, B, nh, self.length, hs)
-            self.v = torch.empty_like(self.k)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class GPT(nn.Module):
@@ -379,6 +358,7 @@ class GPT(nn.Module):
         then a token at a time through a KVCache; once the context outgrows block_size each token
         recomputes the shifted window (learned positions), as running the whole window would."""
         top_k = min(top_k or self.config.vocab_size, self.config.vocab_size)
+        temperature = max(temperature, torch.finfo(torch.float32).tiny)  # not 0 in float32
         block_size = self.config.block_size
         idx = idx[:, -block_size:]
         cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
@@ -398,19 +378,6 @@ class GPT(nn.Module):
             else:  # the window slides
                 cache.pos = 0
                 x = idx
-
-    @torch.no_grad()
-    def use_decoding_layout(self):
-        """On CPU, stores every nn.Linear weight (the blocks' and lm_head, tied to wte) transposed
-        in memory, (in, out) as transformers' Conv1D, with the same shape and values; returns self.
-        Decoding runs x @ W.T with x (1, in) for each weight, and MKL's kernel for that reads this
-        layout faster (docs/perf.md, "Sampling"). A no-op off CPU, where it is not measured. For a
-        model that only samples: training and saving expect contiguous weights."""
-        if next(self.parameters()).device.type == "cpu":
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.data = module.weight.t().contiguous().t()
-        return self
 
     @classmethod
     def from_pretrained(cls, source, device="cpu"):
@@ -439,7 +406,11 @@ def init_from(config, weights=True):
     > block_size."""
     if config.init_from == "scratch":
         return config, None
-    shape, state = gpt2_weights.load_weights(config.init_from, weights)
+    try:
+        shape, state = gpt2_weights.load_weights(config.init_from, weights)
+    except UserError as e:  # a resume takes only the model's shape, which its checkpoint has too
+        raise e if weights else UserError(f"{e}; to resume from {config.out_dir}, which holds the "
+                                          f"weights, pass --init_from={config.out_dir} for the shape")
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]
@@ -489,12 +460,14 @@ class DataLoader:
     The shards of a split, in name order, form one token stream. Global micro-batch g covers tokens
     [g*B*T, g*B*T + B*T + 1) of it, wrapping at the end of an epoch. Each next_batch advances every
     rank by world_size micro-batches and rank r gets g + r, so the data each step sees does not
-    depend on world_size. Shards are memory-mapped anew per batch (nanoGPT #287)."""
+    depend on world_size. Shards are memory-mapped anew per batch (nanoGPT #287), each once seen to
+    be the file it was at the start (inode, size, mtime); `changed` names one that is not."""
 
     def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset=""):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
         self.paths = split_paths(data_dir, split, dataset, required=True)
         sizes = [read_shard_header(p) for p in self.paths]
+        self.files, self.changed = [os.stat(p) for p in self.paths], None
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
         if self.batches_per_epoch == 0:
@@ -503,16 +476,31 @@ class DataLoader:
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
 
     def read(self, start, n):
-        """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64."""
+        """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64; zeros from
+        a shard that changed (replaced, rewritten, gone or unreadable), which `changed` names."""
         out = []
         while n > 0:
             i = int(np.searchsorted(self.starts, start, side="right")) - 1
             offset = start - int(self.starts[i])
             take = min(n, int(self.starts[i + 1]) - start)
-            shard = read_tokens(self.paths[i])
-            out.append(np.array(shard[offset:offset + take], dtype=np.int64))
+            try:
+                now, then = os.stat(self.paths[i]), self.files[i]
+                if any(getattr(now, k) != getattr(then, k) for k in ("st_ino", "st_size", "st_mtime_ns")):
+                    raise OSError(errno.ESTALE, "replaced or rewritten")
+                out.append(np.array(read_tokens(self.paths[i])[offset:offset + take], dtype=np.int64))
+            except OSError as e:  # every rank learns of it from the step's all-reduce
+                self.changed = self.changed or (
+                    f"shard {self.paths[i]} changed while this run read it ({e.strerror}): the run "
+                    f"stopped at its last step, saved, untrained on the change; restore the shard and "
+                    f"rerun to resume, or rerun with --allow_new_data=true to go on in the new shards")
+                out.append(np.zeros(take, dtype=np.int64))
             start, n = start + take, n - take
         return np.concatenate(out)
+
+    def raise_changed(self):
+        """Raises UserError saying which shard changed, if one did."""
+        if self.changed:
+            raise UserError(self.changed)
 
     def next_batch(self):
         """This rank's next micro-batch: global micro-batch batch_index + rank."""
@@ -564,6 +552,7 @@ def setup_distributed(config):
         make_deterministic(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     if device.type == "cpu":
         keep_freed_cpu_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -650,9 +639,11 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
     path, ckpt = checkpoints.load_newest(config.out_dir, log) if config.resume == "auto" else (None, None)
     if path is not None:
         new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
-        if ckpt.get("version") != checkpoints.VERSION:
-            raise UserError(f"checkpoint {path} is of an older format than this train_gpt2.py "
-                            f"resumes (version {checkpoints.VERSION}): {new_run}")
+        if (version := ckpt.get("version", "none")) != checkpoints.VERSION:
+            newer = isinstance(version, int) and version > checkpoints.VERSION
+            raise UserError(f"checkpoint {path} is of {'a newer' if newer else 'an older'} format "
+                            f"(version {version}) than this train_gpt2.py's ({checkpoints.VERSION}): "
+                            + ("update this repository (git pull) to resume it" if newer else new_run))
         saved, groups = ckpt["config"], [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]]
         if saved["optimizer"] != config.optimizer or groups != [
                 len(g["params"]) for g in optimizer.param_groups]:
@@ -732,10 +723,10 @@ def every(interval, step, config):
 def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=None):
     """Mean loss over the first val_batches micro-batches of the val split, whatever world_size:
     micro-batch g on rank g % world_size, the sums all-reduced. A collective. check_stop() runs
-    before each micro-batch (StopSignals.check raises Stopped)."""
+    before each micro-batch (StopSignals.check raises Stopped); Stopped after a val shard changed."""
     rank, world_size, device = val_loader.rank, val_loader.world_size, val_loader.device
     model.eval()
-    total = torch.zeros(2, device=device, dtype=sum_dtype)  # sum of losses, number of batches
+    total = torch.zeros(3, device=device, dtype=sum_dtype)  # sum of losses, batches, shards changed
     # every rank runs as many batches (FSDP's all-gathers pair up); those past val_batches weigh 0
     batches = range(rank, math.ceil(val_batches / world_size) * world_size, world_size)
     with torch.no_grad():
@@ -746,10 +737,13 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=Non
             with autocast:
                 _, loss = model(x, y)
             weight = torch.tensor(float(g < val_batches), device=device, dtype=sum_dtype)
-            total += torch.stack([loss.to(sum_dtype) * weight, weight])
+            total[:2] += torch.stack([loss.to(sum_dtype) * weight, weight])
+    total[2] = val_loader.changed is not None
     if dist.is_initialized():
         dist.all_reduce(total)
     model.train()
+    if total[2] > 0:  # every rank stops; val_loader.raise_changed names the shard
+        raise Stopped
     return (total[0] / total[1]).float().item()
 
 
@@ -853,15 +847,12 @@ def train(config, rank, world_size, device):
     sum_dtype = torch.float64 if config.exact_reduction else torch.float32
     out, existing = checkpoints.open_out_dir(config)
     # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
-    resuming = config.resume == "auto" and bool(existing)
-    config, pretrained_state = agreed(lambda: init_from(config, weights=not resuming))
+    config, pretrained_state = agreed(lambda: init_from(config, config.resume == "never" or not existing))
     log(agreed(lambda: memory_plan.checked_summary(config, world_size, device, memory_counts(config))))
     prompt = sample_prompt(config)
-    if config.hellaswag_interval > 0:
-        hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
+    hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
     train_loader, val_loader = make_loaders(config, rank, world_size, device)
 
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     autocast = precision.autocast(config.dtype, device)
     scaler = precision.grad_scaler(config.dtype, config.sharding, device)  # off but for float16
     raw_model = build_model(config, device, pretrained_state)
@@ -869,15 +860,13 @@ def train(config, rank, world_size, device):
     start_step, evaluated = resume(config, raw_model, optimizer, scaler, train_loader, out, existing)
     if start_step is None:  # the run is complete
         return 0
-    metrics = Metrics(out if rank == 0 else None, config, rank, world_size, device,
-                      raw_model.flops_per_token(config.seq_len) * config.total_batch_size, start_step)
+    metrics = Metrics(out if rank == 0 else None, config, rank, world_size, device, raw_model, start_step)
 
     # -------------------------------------------------------------------------
     # Training loop
-    skipped = 0  # steps in a row whose update was skipped
-    last_saved = start_step  # the step of out_dir's newest checkpoint, 0 for none
+    skipped, last_saved = 0, start_step  # updates skipped in a row; out_dir's newest checkpoint, or 0
     stop, stop_signals = False, catch_stop_signals(device)
-    stop_flag = torch.zeros((), device=device, dtype=sum_dtype)
+    flags = torch.zeros(2, device=device, dtype=sum_dtype)  # a stop signal, a shard that changed
     for step in range(start_step, config.max_steps + 1):  # step: the optimizer updates done
         last_step = step == config.max_steps
         # a stop leaves the evaluations to the run that resumes, unless it is the last step
@@ -904,6 +893,7 @@ def train(config, rank, world_size, device):
             last_saved = save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader,
                                          measure)
         if stop:
+            agreed(val_loader.raise_changed)  # what stopped an evaluation may be a val shard
             log(stopped_line(stop_signals.first(), step, start_step))
         if stop or last_step:
             break
@@ -928,12 +918,13 @@ def train(config, rank, world_size, device):
                 loss = loss / loss_divisor
                 with record_function("backward"):
                     scaler.scale(loss).backward()
-        # the loss summed over ranks, and whether any rank was asked to stop, in one all-reduce
-        # (fill_ takes the host's value without the sync a new device tensor would cost)
-        totals = torch.stack([loss_accum, stop_flag.fill_(len(stop_signals))])
+        # the loss summed over ranks, and whether any rank was asked to stop or met a changed shard,
+        # in one all-reduce (setting an element takes the host's value without a sync)
+        flags[0], flags[1] = len(stop_signals), train_loader.changed is not None
+        totals = torch.cat([loss_accum[None], flags])
         if dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        loss_accum, stop = totals
+        loss_accum, stop, changed = totals
         with record_function("optimizer"):
             lr = get_lr(step, config)
             for group in optimizer.param_groups:
@@ -941,8 +932,12 @@ def train(config, rank, world_size, device):
             scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
             norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
             # the step's one host sync: a non-finite loss or norm skips the update, changing nothing
-            loss_value, stop, norm = torch.stack(
-                [(loss_accum / micro_batches_per_step).float(), stop.float(), norm.float()]).tolist()
+            loss_value, stop, norm, changed = torch.stack(
+                [loss_accum / micro_batches_per_step, stop, norm, changed]).float().tolist()
+            if changed:  # every rank saves the weights of `step`, which no changed token reached
+                train_loader.batch_index -= micro_batches_per_step
+                save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, measure)
+                agreed(train_loader.raise_changed)
             finite = math.isfinite(loss_value) and math.isfinite(norm)
             if finite:
                 optimizer.step()
@@ -966,9 +961,11 @@ def main(argv):
     check_torch_version()
     config = load_config(argv)
     rank, world_size, device = setup_distributed(config)
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         return train(config, rank, world_size, device)
+    except RuntimeError as e:  # a peer gone, or no C++ compiler for torch.compile: one line, not a bug
+        raise machine_failure(e, rank, world_size, config.collective_timeout_s) or e
     finally:
         # the loop's handlers end with it: a process that goes on after main() (a test) would
         # ignore its first SIGTERM, and so would the workers it forks

@@ -4,6 +4,7 @@ a checksum, loaded newest first past damaged ones, and pruned sparing the one re
 open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on any rank alone.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -236,8 +237,15 @@ class OutDir:
     def start(self, start_step, resumed_from, overwrite):
         """Before the first step: removes the temp files of killed saves, then cuts log.jsonl to
         the records up to start_step (none on a fresh start), or with `overwrite` (a list of
-        checkpoints) sets it aside. Raises UserError when out_dir cannot be written."""
+        checkpoints) sets it aside. Raises UserError if out_dir can't be written or one of those deleted."""
         self.protected = {resumed_from} - {None}
+        for old in overwrite:  # renamed away and back: what deleting it needs, changing nothing
+            try:
+                os.replace(old, old.with_name(old.name + ".probe"))
+                os.replace(old.with_name(old.name + ".probe"), old)
+            except OSError as e:
+                raise UserError(f"--overwrite cannot delete {old} ({e.strerror}): delete it by hand, or "
+                                f"pass another --out_dir") from None
         try:
             for stale in self.path.glob("*.tmp"):
                 if stale.name in OWN_TEMPS or step_of(stale.name.removesuffix(".tmp")) is not None:
@@ -263,18 +271,36 @@ class OutDir:
             raise UserError(f"cannot write to out_dir {self.path}: {e.strerror}; pass a writable "
                             f"--out_dir") from None
 
-    def log(self, record):
-        """Appends record (a dict) to log.jsonl as one JSON line."""
+    def holds_out_dir(self):
+        """Whether out_dir's .lock is the file this run locked, not one of a run since (or none)."""
         try:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:  # a full disk, say: the next save reports it on every rank
+            return os.path.samestat(os.stat(self.lock.name), os.fstat(self.lock.fileno()))
+        except OSError:
+            return False
+
+    def log(self, record):
+        """Appends record (a dict) to log.jsonl as one JSON line, unless out_dir is no longer this
+        run's. A failed append (a full disk) is cut off again: readers never meet a torn line."""
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            if not self.holds_out_dir():
+                return  # the next save stops the run
+            with open(self.log_path, "ab", buffering=0) as f:  # one write(2): all, part or nothing
+                end = f.seek(0, os.SEEK_END)
+                if f.write(line) != len(line):  # a full disk took part of it
+                    f.truncate(end)
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:  # the next save reports a full disk on every rank
             print(f"warning: cannot append to {self.log_path}: {e.strerror}", flush=True)
 
     def save(self, step, state, keep):
         """Saves the checkpoint of `step` (save(), whose UserError it raises), deletes the old
         ones and log the first time with overwrite, then keeps the newest `keep`. Returns its path."""
         path = path_of(self.path, step)
+        if not self.holds_out_dir():
+            raise UserError(f"out_dir {self.path} was deleted or replaced while this run trained, so "
+                            f"step {step} is not saved there, where another run may be writing: rerun "
+                            f"with another --out_dir")
         save(path, state)
         if self.overwrite is not None:
             for old in self.overwrite:

@@ -5,6 +5,7 @@ agree on outside them: torchrun's variables, read before the group is joined, an
 """
 
 import os
+import re
 import signal
 import socket
 import time
@@ -83,12 +84,27 @@ def wait_for_master(timeout_s):
             time.sleep(0.1)
 
 
+def machine_failure(e, rank, world_size, timeout_s):
+    """The UserError for a RuntimeError of the machine's: a collective's peer stopped, hung or gone
+    (gloo's timeout or closed connection, a DistError as NCCL's watchdog's), or torch.compile with
+    no working C++ compiler (inductor builds with CXX's or g++). None for another error."""
+    text = re.sub(r"^\[.*?\] ", "", (str(e).strip().splitlines() or [""])[0]).split(". ")[0]
+    if "InvalidCxxCompiler" in text:
+        return UserError(f"torch.compile found no working C++ compiler ({text}): install one (g++), "
+                         f"set CXX to one, or pass --compile=false")
+    if not isinstance(e, dist.DistError) and not re.search(r"Timed out waiting|by peer", text):
+        return None
+    return UserError(f"rank {rank}: {f'rank {1 - rank}' if world_size == 2 else 'another rank'} stopped, "
+                     f"hung or died ({text}): no answer within collective_timeout_s={timeout_s} s; its "
+                     f"output says why. Rerun to resume, or raise --collective_timeout_s")
+
+
 class Stopped(Exception):
     """A stop signal reached some rank during an evaluation or a sample, which is left undone."""
 
 
 class StopSignals(list):
-    """The stop signals (SIGINT, SIGTERM) this rank has received, in order."""
+    """The stop signals (STOP_SIGNALS) this rank has received, in order."""
 
     def __init__(self, device):
         super().__init__()
@@ -108,16 +124,19 @@ class StopSignals(list):
             raise Stopped
 
 
+STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + [signal.SIGHUP] * hasattr(signal, "SIGHUP")
+
+
 def catch_stop_signals(device):
-    """Makes SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and torchrun send before a kill)
-    ask the loop to finish its step, save and exit. Returns the StopSignals the handler appends
-    each signal to. The same signal again takes its default action: it ends the process at once."""
+    """Makes the STOP_SIGNALS (Ctrl-C; SLURM's, Kubernetes' and torchrun's before a kill; a closed
+    ssh session's) ask the loop to finish its step, save and exit. Returns the StopSignals the
+    handler appends each signal to. The same signal again ends the process at once (its default)."""
     received = StopSignals(device)
 
     def handler(signum, frame):
         received.append(signum)
         signal.signal(signum, signal.SIG_DFL)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
     return received

@@ -82,10 +82,10 @@ def print_quietly(text, file=None):
 
 def run(main, script, interrupted="interrupted"):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
-    ends it with the one line `{script}: error: {message}` on stderr and exit status 1; Ctrl-C with
-    `{script}: {interrupted}` and status 130, as a shell reports SIGINT. Under
-    torchrun's agent only rank 0 prints it at once: the other ranks, which meet the same error, wait
-    up to RANK_ERROR_WAIT_S for torchrun to stop them, and print it only if it does not. The line
+    ends it with the one line `{script}: error: {message}` on stderr and exit status 1, Ctrl-C with
+    `{script}: {interrupted}` and 130. Under torchrun's agent only rank 0 prints the error at once:
+    the other ranks, which meet the same error, wait up to RANK_ERROR_WAIT_S for torchrun to stop
+    them, and print it only if it does not. The line
     also goes where torch's `record` writes a traceback (the file TORCHELASTIC_ERROR_FILE names), so
     that torchrun's failure summary ends with it as the root cause."""
     try:
@@ -141,9 +141,8 @@ def load_config(argv, config_class, rules):
         if not path.is_file():
             what = "is a directory, not a TOML file" if path.is_dir() else "not found"
             raise UserError(f"config file {path} {what} (see configs/ for examples)")
-        try:
-            with open(path, "rb") as f:
-                values.update(tomllib.load(f))
+        try:  # utf-8-sig: a byte order mark, as some Windows editors write, is no TOML error
+            values.update(tomllib.loads(path.read_bytes().decode("utf-8-sig")))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"config file {path} is not valid TOML: {e}") from None
         argv = argv[1:]
@@ -151,6 +150,9 @@ def load_config(argv, config_class, rules):
         arg, argv = argv[0], argv[1:]
         if "=" not in arg and argv and not argv[0].startswith("--"):  # --key value, as argparse's
             arg, argv = f"{arg}={argv[0]}", argv[1:]
+        if arg.partition("=")[0] == "--config" or (not arg.startswith("--") and arg.endswith(".toml")):
+            raise UserError(f"pass the config file first and without --config: CONFIG.toml "
+                            f"[--key=value ...] (got {arg!r})")
         if not arg.startswith("--") or "=" not in arg:
             raise UserError(f"cannot parse argument {arg!r}: write overrides as --key=value or --key value")
         key, raw = arg[2:].split("=", 1)

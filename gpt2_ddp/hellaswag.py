@@ -96,7 +96,9 @@ def load_examples(path, limit=0):
 def examples_for_training(config):
     """train_gpt2.py's examples, rendered: the first config.hellaswag_examples (0: all) of
     config.hellaswag_path, which the master downloads if missing. A collective. Raises UserError as
-    download() (on every rank), load_examples() and render_all() do."""
+    download() (on every rank), load_examples() and render_all() do. None for hellaswag_interval=0."""
+    if config.hellaswag_interval == 0:
+        return None
     path = Path(config.hellaswag_path)
     agreed(lambda: path.exists() or download(path), master_only=True)
     examples = load_examples(config.hellaswag_path, config.hellaswag_examples)

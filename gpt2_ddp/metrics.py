@@ -3,6 +3,7 @@ What a run reports: rank 0 prints a line per training step and evaluation, and w
 a JSON record to {out_dir}/log.jsonl and to the wandb or TensorBoard sinks config asks for.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,9 +20,10 @@ from gpt2_ddp.configurator import UserError
 
 
 def log(*args):
-    """Prints on the master process (rank 0) alone."""
+    """Prints on the master process (rank 0) alone, if the output is not gone (a closed ssh's)."""
     if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, flush=True)
+        with contextlib.suppress(OSError):
+            print(*args, flush=True)
 
 
 class Wandb:
@@ -35,16 +37,20 @@ class Wandb:
         except ImportError:
             raise UserError("wandb_log=true needs the wandb package: pip install wandb") from None
         id_path = Path(config.out_dir) / "wandb_run_id"
-        run_id = id_path.read_text().strip() if resumed and id_path.exists() else None
+        try:  # bytes or a directory there are no run's: refused, not overwritten
+            run_id = id_path.read_text().strip() if id_path.exists() else None
+        except (OSError, UnicodeError):
+            raise UserError(f"{id_path} is not the wandb run id a run writes there: move it away, and "
+                            f"this run logs to a new wandb run") from None
         try:
             self.run = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None,
-                                  config=dataclasses.asdict(config), id=run_id, resume="allow",
-                                  dir=config.out_dir)
+                                  config=dataclasses.asdict(config), id=run_id if resumed else None,
+                                  resume="allow", dir=config.out_dir)
         except wandb.errors.Error as e:
             raise UserError(f"wandb.init failed: {(str(e).strip().splitlines() or [''])[0]}; set "
                             f"WANDB_MODE=offline to log without a wandb server (`wandb sync` "
                             f"uploads the run later)") from None
-        if run_id is None:
+        if not resumed or run_id is None:
             atomic_write(id_path, lambda f: f.write(self.run.id.encode()))
         # wandb's own step counts log calls, and a resumed run logs some steps again
         self.run.define_metric("step")
@@ -136,13 +142,14 @@ def close_sinks(sinks, failed):
 
 class Metrics:
     """The reports of a run from start_step (its checkpoint's step, 0 for none) on, and its profiler
-    (start_profiler). out: rank 0's checkpoints.OutDir (None elsewhere); flops_per_step: training
-    FLOPs per optimizer step, for MFU against the peak of config.dtype. A collective: opens the
-    sinks on rank 0, raising UserError on every rank if one fails."""
+    (start_profiler). out: rank 0's checkpoints.OutDir (None elsewhere); model: the GPT, whose
+    training FLOPs per optimizer step give MFU against the peak of config.dtype. A collective: opens
+    the sinks on rank 0, raising UserError on every rank if one fails."""
 
-    def __init__(self, out, config, rank, world_size, device, flops_per_step, start_step):
+    def __init__(self, out, config, rank, world_size, device, model, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
-        self.flops_per_step, self.start_step = flops_per_step, start_step
+        self.flops_per_step = model.flops_per_token(config.seq_len) * config.total_batch_size
+        self.start_step = start_step
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak = config.peak_flops or peak_flops(name, config.dtype)
         self.dt_avg = 0.0  # seconds per step, for the ETA

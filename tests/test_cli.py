@@ -12,6 +12,7 @@ import time
 import tomllib
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY
 from gpt2_ddp import configurator
@@ -149,15 +150,17 @@ def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, ca
 
 
 def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, capsys):
-    check_equivalence_main(["--world-sizes", "1", "--out-dir", str(tmp_path), *TINY,
-                            f"--data-dir={tiny_data}", "--total-batch-size=32", "--max-steps=1"])
+    check_equivalence_main(["--world-sizes", "1", "--python", sys.executable, "--out-dir", str(tmp_path),
+                            *TINY, f"--data-dir={tiny_data}", "--total-batch-size=32", "--max-steps=1"])
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert lines[0] == "world size 1: started"
     assert re.search(r"^world size 1: step +\d+/1 \| loss", err, re.M), err
     assert re.search(r"^world size 1: step +\d+ \| val loss", err, re.M), err
-    assert re.fullmatch(r"world size 1: finished in \d+ s", lines[-1])
-    assert "loss (world size 1)" in out and (tmp_path / "world_size_1" / "log.jsonl").exists()
+    assert re.fullmatch(r"world size 1: finished in \d+ s", lines[4])
+    assert re.fullmatch(rf"torch {re.escape(torch.__version__)}, world size 1: finished in \d+ s", lines[-1])
+    assert "world size 1: max |diff| of loss 0.00e+00" in out
+    assert (tmp_path / "world_size_1" / "log.jsonl").exists()
 
 
 def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsys):
@@ -181,3 +184,19 @@ def test_help_into_a_closed_pipe_is_quiet(argv):
                           text=True, timeout=60)
     os.close(write)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_steps=5", "configs/shakespeare_cpu.toml"], "got 'configs/shakespeare_cpu.toml'"),
+    (["--config", "configs/shakespeare_cpu.toml"], "got '--config=configs/shakespeare_cpu.toml'"),
+])
+def test_a_config_file_after_an_override_or_as_config_is_one_line_saying_where_it_goes(argv, message):
+    with pytest.raises(UserError, match="^pass the config file first and without --config: "
+                                        rf"CONFIG.toml \[--key=value ...\] \({message}\)$"):
+        train_gpt2.load_config(argv)
+
+
+def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbfmax_steps = 3\n")
+    assert train_gpt2.load_config([str(path)]).max_steps == 3

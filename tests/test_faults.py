@@ -85,22 +85,26 @@ def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, u
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
 
-def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_rerun_continues_bitwise(data_dir, uninterrupted,
-                                                                               tmp_path):
-    """As a cluster preempts a job: SIGTERM to torchrun, which passes it to the workers. They agree
-    to stop after the same step, save a checkpoint there (not on a checkpoint_interval step) and
-    say so in one line; rerunning the command finishes the run with the uninterrupted losses."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_torchrun_saves_a_checkpoint_and_the_rerun_continues_bitwise(
+        data_dir, uninterrupted, tmp_path, signum):
+    """As a cluster preempts a job (SIGTERM) or an ssh session ends (SIGHUP): the signal to
+    torchrun, which passes it to the workers. They agree to stop after the same step, save a
+    checkpoint there (not on a checkpoint_interval step) and say so in one line; rerunning the
+    command finishes the run with the uninterrupted losses."""
     args = [*RUN, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--checkpoint_interval=0"]
     proc = torchrun(args, 2)
     wait_for_step(tmp_path, 12, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     output = proc.communicate(timeout=120)[0]
     steps, _ = read_log(tmp_path)
     last = steps[-1]["step"]
-    assert f"stopped by SIGTERM after step {last}, which is saved; rerun the same command to " \
+    assert f"stopped by {signum.name} after step {last}, which is saved; rerun the same command to " \
            f"resume" in output
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{last:07d}.pt"]
-    assert "Traceback" not in output.split("stopped by SIGTERM")[0]  # the workers raised nothing
+    assert "Traceback" not in output.split("stopped by")[0]  # the workers raised nothing
+    if signum == signal.SIGHUP:
+        return  # the resume is the same as after SIGTERM
     run_training(args, nproc=2)
     steps, evals = read_log(tmp_path)
     ref_steps, ref_evals = uninterrupted
@@ -121,15 +125,16 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
 
     from gpt2_ddp.collectives import catch_stop_signals
-    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         received = catch_stop_signals(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
-        assert received == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed ssh session's, to plain python
+        assert received == [signal.SIGTERM, signal.SIGHUP]
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
     finally:
-        signal.signal(signal.SIGTERM, previous[0])
-        signal.signal(signal.SIGINT, previous[1])
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @pytest.mark.compat
@@ -277,12 +282,16 @@ def test_survivors_exit_within_the_collective_timeout(data_dir, tmp_path, fault)
     os.kill(victim.pid, fault)
     start = time.time()
     try:
-        survivor.communicate(timeout=60)
+        output = survivor.communicate(timeout=60)[0]
     finally:
         victim.kill()
         victim.communicate()
     assert survivor.returncode != 0
     assert time.time() - start < 5 + 10  # the timeout, plus teardown
+    assert "Traceback" not in output
+    assert re.fullmatch(r"train_gpt2.py: error: rank 0: rank 1 stopped, hung or died \([^()]+\): no answer "
+                        r"within collective_timeout_s=5 s; its output says why. Rerun to resume, or raise "
+                        r"--collective_timeout_s", output.splitlines()[-1])
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -667,9 +676,19 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
     err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
                       "--max_steps=6")
     assert err == (f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of an older format "
-                   f"than this train_gpt2.py resumes (version {checkpoints.VERSION}): start a new "
-                   f"run from its weights "
-                   f"with --out_dir=NEW_DIR --init_from={out}\n")
+                   f"(version none) than this train_gpt2.py's ({checkpoints.VERSION}): "
+                   f"start a new run from its weights with --out_dir=NEW_DIR --init_from={out}\n")
+    newer = out / "ckpt_0000005.pt"
+    state = torch.load(out / "ckpt_0000004.pt", weights_only=True)
+    del state["sha256"]
+    state.update(step=5, version=checkpoints.VERSION + 1)
+    state["sha256"] = checkpoints.sha256(state)
+    torch.save(state, newer)
+    assert train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
+                       "--max_steps=6").endswith(
+        f"is of a newer format (version {checkpoints.VERSION + 1}) than this train_gpt2.py's "
+        f"({checkpoints.VERSION}): update this repository (git pull) to resume it\n")
+    newer.unlink()
     new = tmp_path / "new"
     stdout = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={new}",
                            f"--init_from={out}", "--max_steps=1", "--max_lr=0", "--min_lr=0"]).stdout
@@ -710,3 +729,128 @@ def test_a_checkpoint_of_another_architecture_is_one_line_naming_its_keys(good_r
     assert err.startswith(f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of another "
                           f"model: missing ['transformer.wpe.weight']; unexpected "
                           f"['transformer.rope.freqs']; to train this model") and err.count("\n") == 1
+
+
+# --- what changes under a run ---------------------------------------------------------------------
+
+def test_a_shard_that_changes_under_a_run_stops_it_saved_and_untrained_on_the_change(tmp_path):
+    """prepare_data --overwrite under a training run: whichever rank reads a changed train shard
+    first, every rank stops at the last step, saves it with the loader before the step that met
+    the change, and says in one line which shard changed. A changed val shard stops an evaluation
+    on every rank the same way (Stopped, then the line)."""
+    from train_gpt2 import DataLoader, GPT, Config, evaluate
+    from gpt2_ddp.collectives import Stopped
+    data, out = tmp_path / "data", tmp_path / "out"
+    make_shards(data)
+    proc = torchrun([*SMALL, f"--data_dir={data}", f"--out_dir={out}", "--max_steps=100000"], 2)
+    try:
+        wait_for_step(out, 3, proc)
+        for path in data.glob("tiny_train_*.bin"):
+            write_shard(path, np.arange(3000) % 512)  # as prepare_data writes: a new file, renamed in
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.terminate()  # torchrun passes it on to the workers
+        proc.wait(60)
+    steps, _ = read_log(out)
+    last = steps[-1]["step"]
+    errors = list({line.split("error: ", 1)[1] for line in output.splitlines() if "py: error:" in line})
+    assert len(errors) == 1 and re.search(
+        rf"^shard {data}/tiny_train_00000[12].bin changed while this run read it \(replaced or "
+        rf"rewritten\): the run stopped at its last step, saved, untrained on the change", errors[0])
+    assert 'train_gpt2.py", line' not in output
+    state = checkpoints.load(out / f"ckpt_{last:07d}.pt")
+    assert [p.name for p in out.glob("ckpt_*.pt")] == [f"ckpt_{last:07d}.pt"]
+    assert state["loader"]["tokens"] == last * 64  # the step that met the change is not counted
+
+    loader = DataLoader(data, "val", 2, 16, 0, 1, torch.device("cpu"))
+    write_shard(data / "tiny_val_000000.bin", np.arange(1000) % 512)
+    model = GPT(Config(**{a[2:].split("=")[0]: int(a.split("=")[1]) for a in TINY[:5]}))
+    with pytest.raises(Stopped):
+        evaluate(model, loader, 4, torch.autocast("cpu", enabled=False), torch.float32)
+    with pytest.raises(UserError, match=f"^shard {data}/tiny_val_000000.bin changed while this run"):
+        loader.raise_changed()
+
+
+def test_a_run_whose_out_dir_is_deleted_stops_at_its_next_save(good_run, tmp_path):
+    """out_dir deleted under a run, and a new run started in the same out_dir: the first run's
+    log records go nowhere and its next save stops it in one line, so it never writes into the
+    new run's out_dir."""
+    import shutil
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "train_gpt2.py", *SMALL, f"--data_dir={good_run / 'data'}",
+                             f"--out_dir={out}", "--max_steps=100000", "--checkpoint_interval=6"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(out, 2, proc)
+        shutil.rmtree(out)
+        second = checkpoints.OutDir(out)  # the new run takes the new out_dir's lock
+        second.log({"step": 0, "val_loss": 1.0})
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert proc.returncode == 1
+    assert err == (f"train_gpt2.py: error: out_dir {out} was deleted or replaced while this run trained, "
+                   f"so step 6 is not saved there, where another run may be writing: rerun with "
+                   f"another --out_dir\n")
+    assert (out / "log.jsonl").read_text() == '{"step": 0, "val_loss": 1.0}\n'
+    assert not list(out.glob("ckpt_*"))
+
+
+def test_overwrite_that_cannot_delete_an_old_checkpoint_refuses_before_training(good_run, tmp_path):
+    """An immutable old checkpoint (chattr +i) would outlive --overwrite and be resumed as this
+    run's newest: refused before any step, with every checkpoint and the log as they were."""
+    out, before = copy_run(good_run, tmp_path)
+    stuck = out / "ckpt_0000004.pt"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root and a filesystem that supports it")
+    try:
+        err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
+                          "--resume=never", "--overwrite=true")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert err == (f"train_gpt2.py: error: --overwrite cannot delete {stuck} (Operation not "
+                   f"permitted): delete it by hand, or pass another --out_dir\n")
+    assert {p.name: p.read_bytes() for p in out.glob("ckpt_*")} == before
+
+
+def test_a_full_disk_leaves_no_torn_line_in_the_log(tmp_path, capsys):
+    """An append cut short by a full disk (here: a file-size limit, EFBIG, as ENOSPC) is cut off
+    again with a warning; the next append after space is freed starts on its own line."""
+    import resource
+    out = checkpoints.OutDir(tmp_path / "out")
+    out.log({"step": 1, "loss": 1.0})
+    size = out.log_path.stat().st_size
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, limit[1]))
+        out.log({"step": 2, "loss": 2.0, "dt_ms": 75.23})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    out.log({"step": 3, "loss": 3.0})
+    assert [json.loads(line)["step"] for line in out.log_path.read_text().splitlines()] == [1, 3]
+    # the limit lets part of the line through, as a full disk does: a short write
+    assert capsys.readouterr().out == f"warning: cannot append to {out.log_path}: No space left on device\n"
+
+
+def test_a_missing_compiler_is_one_line_naming_compile_false(good_run, tmp_path):
+    env = dict(os.environ, CXX="/bin/false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *SMALL, "--compile=true",
+                           f"--data_dir={good_run / 'data'}", f"--out_dir={tmp_path / 'out'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("train_gpt2.py: error: torch.compile found no working C++ compiler")
+    assert proc.stderr.endswith("install one (g++), set CXX to one, or pass --compile=false\n")
+
+
+def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
+    from train_gpt2 import load_config, init_from
+    assert "config key 'out_dir' must be a path, not empty, got ''" in train_error("--out_dir=")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(["--out_dir=~/runs/x", "--data_dir=~/data", "--init_from=~/gone"])
+    assert (config.out_dir, config.data_dir) == (f"{tmp_path}/runs/x", f"{tmp_path}/data")
+    # a resume needs init_from only for the shape: its own checkpoint gives that too
+    with pytest.raises(UserError, match=rf"{tmp_path}/gone .*; to resume from {tmp_path}/runs/x, which "
+                                        rf"holds the weights, pass --init_from={tmp_path}/runs/x for the shape$"):
+        init_from(config, weights=False)

@@ -203,11 +203,22 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
     assert not (tmp_path / "wandb_run_id").exists()
 
 
+@pytest.mark.parametrize("what", ["bytes", "directory"])
+def test_a_wandb_run_id_file_that_no_run_wrote_is_one_line(tmp_path, tiny_data, monkeypatch, what):
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb([]))
+    path = tmp_path / "wandb_run_id"
+    path.mkdir() if what == "directory" else path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(UserError, match=f"^{path} is not the wandb run id a run writes there: move "
+                                        f"it away, and this run logs to a new wandb run$"):
+        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                          "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
+
+
 def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(capsys):
     """A loss over a nat above the running mean is named with its step; the mean's own noise and
     a skipped (non-finite) step are not. Under optimizer=muon each step says Muon's lr too."""
     config = load_config([*TINY, "--optimizer=muon", "--max_lr=1e-3", "--muon_lr=0.02", "--max_steps=8"])
-    metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), 1.0, 0)
+    metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), train_gpt2.GPT(config), 0)
     optimizer = GPT(config).configure_optimizers(config, "cpu")
     for group in optimizer.param_groups:  # as the loop sets them for lr 1e-3
         group["lr"] = 1e-3 * group["lr_scale"]

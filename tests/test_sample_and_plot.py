@@ -106,10 +106,10 @@ def test_a_temperature_not_finite_and_positive_is_refused(hf_tiny, temperature, 
 
 def test_a_tiny_temperature_samples_the_likeliest_tokens(hf_tiny, capsys):
     texts = []
-    for options in (["--temperature", "1e-40"], ["--top_k", "1"]):
+    for options in (["--temperature", "1e-40"], ["--temperature", "1e-300"], ["--top_k", "1"]):
         sample_main([str(hf_tiny), *options, "--max_new_tokens", "8", "--device", "cpu"])
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_ctrl_c_while_sampling_is_one_line(hf_tiny):

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -71,6 +72,13 @@ def write_hellaswag(path, n, seed=0):
                        "endings": [words(int(rng.integers(1, 5))) for _ in range(4)],
                        "label": int(rng.integers(0, 4))}
             f.write(json.dumps(example) + "\n")
+
+
+def ctrl_c_reaches():
+    """Popen's preexec_fn for a child that a test sends Ctrl-C (SIGINT): the default action, as a
+    terminal's job has it, though a shell that started the tests in the background ignores SIGINT,
+    and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, ctrl_c_reaches
 from gpt2_ddp import tokenizer
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, split_paths, write_shard
@@ -759,7 +759,7 @@ def test_a_killed_tokenizer_worker_ends_the_run_in_one_line(tmp_path):
 def test_ctrl_c_stops_the_workers_quietly_and_leaves_nothing(tmp_path):
     """Ctrl-C reaches the whole process group. The workers ignore it, so that only the main process
     reports it, in one line (configurator.run), and the staging dir and the lock go."""
-    proc, workers = started_with_workers(tmp_path, start_new_session=True)
+    proc, workers = started_with_workers(tmp_path, start_new_session=True, preexec_fn=ctrl_c_reaches)
     shown = ""
     while "tokens]" not in shown:  # the progress bar counts the workers' first tokens
         shown += proc.stderr.read(1) or pytest.fail(f"prepare_data.py ended first: {shown}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, ctrl_c_reaches
 from gpt2_ddp import runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
@@ -115,7 +115,7 @@ def test_a_tiny_temperature_samples_the_likeliest_tokens(hf_tiny, capsys):
 def test_ctrl_c_while_sampling_is_one_line(hf_tiny):
     proc = subprocess.Popen([sys.executable, "-m", "scripts.sample", str(hf_tiny), "--max_new_tokens",
                              "1000000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches)
     assert proc.stdout.read(1)  # the prompt comes with the first token
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -129,7 +129,7 @@ STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + [signal.SIGHUP] * hasattr(signa
 
 def catch_stop_signals(device):
     """Makes the STOP_SIGNALS (Ctrl-C; SLURM's, Kubernetes' and torchrun's before a kill; a closed
-    ssh session's) ask the loop to finish its step, save and exit. Returns the StopSignals the
+    ssh connection's) ask the loop to finish its step, save and exit. Returns the StopSignals the
     handler appends each signal to. The same signal again ends the process at once (its default)."""
     received = StopSignals(device)
 

@@ -88,7 +88,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_continues_bitwise(data_dir, u
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_to_torchrun_saves_a_checkpoint_and_the_rerun_continues_bitwise(
         data_dir, uninterrupted, tmp_path, signum):
-    """As a cluster preempts a job (SIGTERM) or an ssh session ends (SIGHUP): the signal to
+    """As a cluster preempts a job (SIGTERM) or an ssh connection closes (SIGHUP): the signal to
     torchrun, which passes it to the workers. They agree to stop after the same step, save a
     checkpoint there (not on a checkpoint_interval step) and say so in one line; rerunning the
     command finishes the run with the uninterrupted losses."""
@@ -129,7 +129,7 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
     try:
         received = catch_stop_signals(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
-        os.kill(os.getpid(), signal.SIGHUP)  # a closed ssh session's, to plain python
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed ssh connection's, to plain python
         assert received == [signal.SIGTERM, signal.SIGHUP]
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
     finally:

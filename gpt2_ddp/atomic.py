@@ -1,7 +1,5 @@
-"""
-Files written whole or not at all, however the process ends, with the mode open() gives a new file
-(0o666 less the umask), so others can read them where the umask lets them.
-"""
+"""Files written whole or not at all, however the process ends, with the mode open() gives a new file
+(0o666 less the umask), so others can read them where the umask lets them."""
 
 import os
 from pathlib import Path
@@ -10,8 +8,7 @@ from pathlib import Path
 def atomic_write(path, write):
     """Calls write(f) on a binary temp file beside `path` (its name + ".tmp"), fsyncs it, renames it
     onto `path` and fsyncs the directory, so a kill or power loss leaves the old file or the new one,
-    never a part. `path` gets new_file_mode(), not tempfile's 0o600. On any error, write's included,
-    the temp file is removed and the error re-raised."""
+    never a part. On any error, write's included, the temp file is removed and the error re-raised."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -1,8 +1,5 @@
-"""
-Collectives shared beyond DDP's own: making every rank agree on a user's error, and handing small
-values around. Each also works in one process without a process group. And what every rank must
-agree on outside them: torchrun's variables, read before the group is joined, and stop signals.
-"""
+"""Collectives beyond DDP's own (every rank agreeing on a user's error, small values), each working
+without a process group too; and torchrun's variables, a peer's failure and stop signals."""
 
 import os
 import re
@@ -17,9 +14,8 @@ from gpt2_ddp.configurator import UserError
 
 
 def agreed(fn, master_only=False):
-    """Runs fn() on every rank (on rank 0 alone with master_only); returns its result where it ran,
-    None elsewhere. If fn raised UserError on any rank, every rank raises it (the lowest such rank's
-    message), so the others stop rather than wait for a collective till the timeout. A collective."""
+    """Runs fn() on every rank (rank 0 alone with master_only); returns its result there, None elsewhere.
+    A collective: a UserError of fn on any rank (the lowest's) is raised on every rank."""
     result, error = None, None
     if not master_only or not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -68,8 +64,8 @@ def torchrun_env():
 
 
 def wait_for_master(timeout_s):
-    """Waits up to timeout_s seconds for rank 0's store at MASTER_ADDR:MASTER_PORT to take a
-    connection, raising UserError, in one line, when it does not (c10d's wait logs a C++ stack)."""
+    """Waits up to timeout_s seconds for rank 0's store at MASTER_ADDR:MASTER_PORT to take a connection;
+    raises UserError when it does not (c10d's wait logs a C++ stack)."""
     address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     deadline = time.monotonic() + timeout_s
     while True:
@@ -85,9 +81,8 @@ def wait_for_master(timeout_s):
 
 
 def machine_failure(e, rank, world_size, timeout_s):
-    """The UserError for a RuntimeError of the machine's: a collective's peer stopped, hung or gone
-    (gloo's timeout or closed connection, a DistError as NCCL's watchdog's), or torch.compile with
-    no working C++ compiler (inductor builds with CXX's or g++). None for another error."""
+    """The UserError for a collective's peer stopped, hung or gone (gloo's timeout or closed connection,
+    NCCL's DistError) or torch.compile without a working C++ compiler; None for another error."""
     text = re.sub(r"^\[.*?\] ", "", (str(e).strip().splitlines() or [""])[0]).split(". ")[0]
     if "InvalidCxxCompiler" in text:
         return UserError(f"torch.compile found no working C++ compiler ({text}): install one (g++), "
@@ -111,12 +106,11 @@ class StopSignals(list):
         self.device = device
 
     def first(self):
-        """The first signal received, a signal.Signals; SIGTERM for one that reached another rank only."""
+        """The first signal received; SIGTERM for one that reached another rank only."""
         return signal.Signals(self[0] if self else signal.SIGTERM)
 
     def check(self):
-        """Raises Stopped if any rank has received one. A collective with a host sync: evaluations
-        call it once per batch, on every rank alike, so a stop is answered within a batch."""
+        """Raises Stopped if any rank has received one. A collective with a host sync (once per batch)."""
         flag = torch.tensor(float(len(self)), device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -128,9 +122,8 @@ STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + [signal.SIGHUP] * hasattr(signa
 
 
 def catch_stop_signals(device):
-    """Makes the STOP_SIGNALS (Ctrl-C; SLURM's, Kubernetes' and torchrun's before a kill; a closed
-    ssh connection's) ask the loop to finish its step, save and exit. Returns the StopSignals the
-    handler appends each signal to. The same signal again ends the process at once (its default)."""
+    """Makes the STOP_SIGNALS (Ctrl-C, a scheduler's before a kill, a closed ssh's) ask the loop to save
+    and exit, and a second one end it at once. Returns the StopSignals the handler appends them to."""
     received = StopSignals(device)
 
     def handler(signum, frame):

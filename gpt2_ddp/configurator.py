@@ -1,10 +1,7 @@
-"""
-Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does for its train.py: a TOML
-file, then --key=value (or --key value) overrides, each cast to the dataclass field's type and
-checked against its rule; and --help text from the comment on each field's line. The scripts parse
-their command lines with ArgumentParser, so options are spelled as config keys are. Every mistake
-is a UserError.
-"""
+"""Reads a run's config for train_gpt2.py, as nanoGPT's configurator.py does: a TOML file, then --key=value
+(or --key value) overrides, each cast to its dataclass field's type and checked against its rule; --help
+text from each field's comment. The scripts' ArgumentParser spells options as config keys are. Every
+mistake is a UserError."""
 
 import argparse
 import dataclasses
@@ -31,8 +28,7 @@ class UserError(Exception):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the description's line breaks and shows each option's default, but for a
-    default of None, False or [] (an option that is off unless given) or one its help names."""
+    """--help keeps the description's line breaks and shows defaults but None, False, [] or named ones."""
 
     def _get_help_string(self, action):
         if action.default in (None, []) or action.default is False or "default" in action.help:
@@ -41,10 +37,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser for the scripts: options answer to --out_dir and --out-dir (not
-    shown), --help shows the defaults (HelpFormatter), and abbreviations are off, as scripts that
-    pass unknown arguments on to train_gpt2.py would take --micro_batch_size=4 for
-    --micro_batch_sizes."""
+    """argparse.ArgumentParser for the scripts: options answer to --out_dir and --out-dir (not shown),
+    --help shows the defaults, and abbreviations are off, as scripts that pass unknown arguments on
+    to train_gpt2.py would take --micro_batch_size=4 for --micro_batch_sizes."""
 
     def __init__(self, *args, description=None, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -70,8 +65,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def print_quietly(text, file=None):
-    """Prints text (on stdout by default) and exits quietly, with status 0, if the reader has gone
-    (`--help | head`): Python would otherwise print BrokenPipeError's traceback at exit."""
+    """Prints text (on stdout by default); exits with status 0, not a traceback, if the reader has gone."""
     file = file or sys.stdout
     try:
         print(text, file=file, end="" if text.endswith("\n") else "\n", flush=True)
@@ -81,13 +75,10 @@ def print_quietly(text, file=None):
 
 
 def run(main, script, interrupted="interrupted"):
-    """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError
-    ends it with the one line `{script}: error: {message}` on stderr and exit status 1, Ctrl-C with
-    `{script}: {interrupted}` and 130. Under torchrun's agent only rank 0 prints the error at once:
-    the other ranks, which meet the same error, wait up to RANK_ERROR_WAIT_S for torchrun to stop
-    them, and print it only if it does not. The line
-    also goes where torch's `record` writes a traceback (the file TORCHELASTIC_ERROR_FILE names), so
-    that torchrun's failure summary ends with it as the root cause."""
+    """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError ends
+    it with the one line `{script}: error: {message}` on stderr and exit status 1, Ctrl-C with
+    `{script}: {interrupted}` and 130. Under torchrun ranks but 0 wait RANK_ERROR_WAIT_S to be stopped
+    first; the line also goes to TORCHELASTIC_ERROR_FILE, torchrun's summary's root cause."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
@@ -106,8 +97,7 @@ def run(main, script, interrupted="interrupted"):
 
 
 def cast_value(key, raw, typ):
-    """Casts a TOML or command-line value to a config field's type (`--max_steps=1e4` gives 10000).
-    Raises UserError naming the key, the value and the expected type."""
+    """A TOML or command-line value as a field's type (1e4 -> 10000); UserError names key, value, type."""
     try:
         if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
             raise ValueError  # a TOML array, table or boolean where a number or string belongs
@@ -130,10 +120,9 @@ def cast_value(key, raw, typ):
 
 
 def load_config(argv, config_class, rules):
-    """Builds a config_class from `[CONFIG.toml] [--key=value | --key value ...]`. `rules` maps keys to (a
-    predicate or a tuple of allowed values, the rule in words). Raises UserError for a missing or
-    malformed config file, an unknown key, a value of the wrong type or against its rule, or a
-    malformed argument."""
+    """Builds a config_class from `[CONFIG.toml] [--key=value | --key value ...]`. `rules` maps keys to
+    (a predicate or a tuple of allowed values, the rule in words). Raises UserError for a missing or
+    malformed config file or argument, an unknown key, or a value of the wrong type or rule."""
     fields = {f.name: f.type for f in dataclasses.fields(config_class)}
     values = {}
     if argv and not argv[0].startswith("--"):
@@ -173,8 +162,7 @@ def load_config(argv, config_class, rules):
 
 
 def toml_value(value):
-    """`value` (a bool, int, float or str) as a TOML file writes it: true/false, a number as
-    Python prints it (6e-05, inf), a string in double quotes with TOML's escapes."""
+    """`value` (a bool, int, float or str) as TOML writes it: true/false, 6e-05, inf, "escaped"."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):  # JSON's string escapes are TOML's, but for DEL, which TOML escapes
@@ -183,8 +171,7 @@ def toml_value(value):
 
 
 def help_lines(config_class, width=None):
-    """`--key=default  description` for each field of config_class, the description taken from the
-    comment on the field's line, wrapped at `width` columns (None: the terminal's)."""
+    """`--key=default  description` lines of config_class's fields, from their comments, `width` wide."""
     if width is None:
         width = shutil.get_terminal_size().columns - 2
     source = inspect.getsource(config_class)

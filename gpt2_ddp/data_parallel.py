@@ -1,5 +1,4 @@
-"""
-Swap-ins for DDP(model) and its optimizer, made by wrap(): ZeRO-2 (sharding=zero2), FSDP2
+"""Swap-ins for DDP(model) and its optimizer, made by wrap(): ZeRO-2 (sharding=zero2), FSDP2
 (sharding=fsdp), and DDP with float64 gradient sums (exact_reduction), as picotron's data_parallel
 wrappers. Each keeps torch.optim's element-wise arithmetic and presents what the loop uses:
 
@@ -26,9 +25,8 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def wrap(model, optimizer, config, device):
-    """Config's swap-in, as (model, optimizer), for the GPT `model` and an `optimizer` over its
-    parameters: ZeRO2 for sharding=zero2, FSDP for fsdp, ExactDDP for ddp with exact_reduction.
-    zero2 and fsdp need a process group, even of one process."""
+    """(model, optimizer), config's swap-in for the GPT `model` and an `optimizer` over its parameters:
+    ZeRO2, FSDP or ExactDDP. zero2 and fsdp need a process group, even of one process."""
     if config.sharding == "zero2":
         zero2 = ZeRO2(model, config)
         return zero2, ZeRO2Optimizer(optimizer, zero2)
@@ -41,8 +39,8 @@ def wrap(model, optimizer, config, device):
 
 def clip_grad_norm(grads, max_norm, sharded):
     """Scales grads in place to a total 2-norm of at most max_norm, as torch.nn.utils.clip_grad_norm_;
-    returns the norm before clipping, a float32 scalar tensor. Squares are summed in float64, and
-    over ranks (a collective) when the grads are `sharded`, so no split of the gradient changes it."""
+    returns the norm before clipping, a float32 scalar tensor. Squares are summed in float64, over
+    ranks too (a collective) for `sharded` grads."""
     dtype = torch.float32 if grads[0].device.type == "mps" else torch.float64  # MPS lacks float64
     norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in grads]).pow(2).sum()
     if sharded:
@@ -102,8 +100,7 @@ class ExactDDP(DataParallel):
         return self.module(*args, **kwargs)
 
     def accumulate_float64(self, p):
-        """Adds p.grad to the step's float64 sum. On the syncing micro-step DDP's comm hook takes
-        the sum over; one process without DDP casts it to p.grad here."""
+        """Adds p.grad to the step's float64 sum; without DDP, the syncing micro-step casts it to p.grad."""
         sync = self.require_backward_grad_sync
         if sync and self.ddp is not None:
             return
@@ -114,8 +111,7 @@ class ExactDDP(DataParallel):
             self.grads64[p], p.grad = grad, None
 
     def all_reduce_float64(self, _, bucket):
-        """DDP's comm hook: the bucket's gradients plus their float64 sums of the earlier
-        micro-steps, summed over ranks in float64, cast to float32 once."""
+        """DDP's comm hook: the bucket's gradients plus their earlier float64 sums, all-reduced in float64."""
         flat = torch.cat([(self.grads64.pop(p, 0) + g.double()).view(-1)
                           for p, g in zip(bucket.parameters(), bucket.gradients())])
         work = dist.all_reduce(flat, async_op=True)
@@ -130,12 +126,10 @@ class ExactDDP(DataParallel):
 
 
 class ZeRO2(DataParallel):
-    """ZeRO stage 2 (Rajbhandari et al. 2020), as in "A Thousand Ways to Write ZeRO-2"
-    (modded-nanogpt's DistAdam): rank r owns slice r, `shards[p]`, of each parameter flattened and
-    zero-padded to a multiple of world_size, and ZeRO2Optimizer updates it. Synced gradients are
-    reduce-scattered asynchronously as autograd finishes each, and waited for as the backward ends,
-    as DDP waits for its all-reduces, so the slices' .grad are ready when backward() returns;
-    exact_reduction sums as ExactDDP."""
+    """ZeRO stage 2 (Rajbhandari et al. 2020), as "A Thousand Ways to Write ZeRO-2" (modded-nanogpt's
+    DistAdam): rank r owns slice r, `shards[p]`, of each parameter flattened and zero-padded to a
+    multiple of world_size, which ZeRO2Optimizer updates. Synced gradients are reduce-scattered as
+    autograd finishes each, waited for as the backward ends; exact_reduction sums as ExactDDP."""
 
     def __init__(self, model, config):
         super().__init__(torch.compile(model) if config.compile else model)
@@ -158,8 +152,7 @@ class ZeRO2(DataParallel):
         return self.padded(t).tensor_split(self.world_size)[self.rank]
 
     def gather(self, shard, like):
-        """Launches the all-gather of every rank's `shard` of a tensor shaped as `like`; returns
-        the work and the whole tensor, which holds the result once the work is waited on."""
+        """(work, whole): the all-gather launched of every rank's `shard` of a tensor shaped as `like`."""
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
         work = all_gather_single(full, shard, async_op=True)
         return work, full[:like.numel()].view_as(like)
@@ -182,8 +175,7 @@ class ZeRO2(DataParallel):
         self.pending.append((p, reduced, work))
 
     def wait_for_grads(self):
-        """Autograd's callback at the end of a syncing backward: each slice's .grad from its
-        reduce-scatter, in backward order (the earliest launched finish first)."""
+        """Autograd's callback at a syncing backward's end: each slice's .grad from its reduce-scatter."""
         for p, reduced, work in self.pending:
             work.wait()
             self.shards[p].grad = reduced.float()
@@ -191,15 +183,13 @@ class ZeRO2(DataParallel):
         self.pending = []
 
     def clip_grad_norm_(self, parameters, max_norm):
-        """Clips the gradient slices of `parameters` by the whole gradient's norm, which it
-        returns. A collective."""
+        """Clips the gradient slices of `parameters` by the whole gradient's norm, returned. A collective."""
         return clip_grad_norm([self.shards[p].grad for p in parameters], max_norm, sharded=True)
 
 
 class OptimizerOfViews:
-    """`optimizer`, whose groups now hold another view of each of `params` (those it was built over,
-    in order), with state_dict() and load_state_dict() turning the views' state into whole tensors
-    (whole()) and back (view()), as `optimizer` over `params` would give and take them."""
+    """`optimizer` over other views of its `params`, whose state_dict() and load_state_dict() turn the
+    views' state into whole tensors (whole()) and back (view()), as over `params`."""
 
     def __init__(self, optimizer, params):
         self.optimizer, self.params = optimizer, params
@@ -220,9 +210,9 @@ class OptimizerOfViews:
 
 
 class ZeRO2Optimizer(OptimizerOfViews):
-    """`optimizer` moved onto ZeRO2's slices, so its state is 1/world_size of ddp's. step() updates
-    the slices and all-gathers them into every rank's whole parameters. step(), state_dict() and
-    load_state_dict() are collectives. Load the weights first: the slices are taken from them."""
+    """`optimizer` on ZeRO2's slices, its state 1/world_size of ddp's; step() all-gathers the updated
+    slices into the whole parameters. Collectives: step(), state_dict(), load_state_dict(), which
+    takes the slices from the weights, so load those first."""
 
     def __init__(self, optimizer, zero2):
         super().__init__(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
@@ -263,11 +253,9 @@ class ZeRO2Optimizer(OptimizerOfViews):
 
 
 class FSDP(DataParallel):
-    """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f),
-    whose forward and backward take the parameters in config.dtype (FSDP's mixed precision). The
-    parameters become DTensors, each rank holding whole rows of dim 0. exact_reduction makes
-    float64 the reduce dtype, in which unsynced gradients accumulate. The model's state_dict() and
-    load_state_dict() give and take whole tensors (the hooks below)."""
+    """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f), its
+    parameters in config.dtype for forward and backward, DTensors of whole dim-0 rows; exact_reduction
+    reduces in float64. state_dict() and load_state_dict() give and take whole tensors (hooks below)."""
 
     def __init__(self, model, config, device):
         # imported here: FSDP2 adds to every process's start-up, and only this mode uses it
@@ -292,8 +280,7 @@ class FSDP(DataParallel):
         return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, parameters, max_norm):
-        """torch.nn.utils.clip_grad_norm_ of the DTensors; with exact_reduction, clip_grad_norm of
-        their local shards."""
+        """torch.nn.utils.clip_grad_norm_ of the DTensors; with exact_reduction, clip_grad_norm's."""
         parameters = list(parameters)
         if self.exact:
             grads = [p.grad.to_local() for p in parameters if p.grad is not None]
@@ -303,8 +290,7 @@ class FSDP(DataParallel):
 
 
 def gather_whole_tensors(module, state_dict, prefix, local_metadata):
-    """FSDP's state_dict post-hook: each DTensor all-gathered into a whole tensor, kept on rank 0
-    alone, on the CPU. A collective."""
+    """FSDP's state_dict post-hook, a collective: each DTensor all-gathered, kept on rank 0's CPU alone."""
     for key, value in list(state_dict.items()):
         if hasattr(value, "full_tensor"):
             whole = value.full_tensor()
@@ -315,8 +301,7 @@ def gather_whole_tensors(module, state_dict, prefix, local_metadata):
 
 
 def shard_whole_tensors(module, state_dict, prefix, *args):
-    """FSDP's load_state_dict pre-hook: each whole tensor cut into this rank's shard of the
-    DTensor parameter it loads into."""
+    """FSDP's load_state_dict pre-hook: each whole tensor cut into this rank's shard of its DTensor."""
     for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
         value = state_dict.get(name)
         if hasattr(p, "device_mesh") and value is not None and not hasattr(value, "device_mesh"):
@@ -330,9 +315,8 @@ def shard_like(value, p):
 
 
 class FSDPOptimizer(OptimizerOfViews):
-    """`optimizer`, built over the GPT's parameters before fully_shard, moved onto the DTensors that
-    replaced them (`names` maps each old parameter to its name in `sharded`). state_dict() and
-    load_state_dict() are collectives giving and taking whole tensors (state_dict on rank 0 only)."""
+    """`optimizer` moved onto the DTensors that replaced its parameters (`names`: old parameter -> name
+    in `sharded`). state_dict() (rank 0's) and load_state_dict() are collectives of whole tensors."""
 
     def __init__(self, optimizer, names, sharded):
         by_name = dict(sharded.named_parameters())

@@ -1,8 +1,6 @@
-"""
-The device a rank runs on and the process-wide settings it needs: the oldest torch it runs on,
+"""The device a rank runs on and the process-wide settings it needs: the oldest torch it runs on,
 which device (--device=auto picks cuda:LOCAL_RANK, mps or cpu), deterministic kernels for
-exact_reduction, and glibc's malloc kept from returning the CPU's freed memory to the OS.
-"""
+exact_reduction, and glibc's malloc kept from returning the CPU's freed memory to the OS."""
 
 import ctypes
 import os
@@ -25,8 +23,7 @@ def check_torch_version():
 
 
 def named_device(name):
-    """The torch.device that a --device value names: cpu, cuda, cuda:N or mps. Raises UserError for
-    another name, or a device that this machine or this build of torch lacks."""
+    """The torch.device of a --device value (cpu, cuda, cuda:N, mps); UserError for another or one absent."""
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
         raise UserError(f"--device={name} is not a device: pass cpu, cuda, cuda:N or mps")
     device = torch.device(name)
@@ -40,8 +37,8 @@ def named_device(name):
 
 
 def choose_device(config, local_rank, launched):
-    """The torch.device of this rank: config.device, or for auto cuda:local_rank, else mps (one
-    process), else cpu. Raises UserError for a device this machine lacks (named_device)."""
+    """This rank's torch.device: config.device, or for auto cuda:local_rank, mps (one process) or cpu.
+    Raises UserError for a device this machine lacks (named_device)."""
     if config.device != "auto":
         return named_device(config.device)
     if torch.cuda.is_available():
@@ -64,9 +61,7 @@ def make_deterministic(device):
 
 
 def keep_freed_cpu_memory():
-    """Makes glibc keep freed memory in the heap: above its mmap threshold (at most 32 MiB) it would
-    unmap blocks on free, so each step would page-fault its logits in anew (docs/perf.md). No-op
-    where libc is not glibc."""
+    """Keeps glibc (where libc is) from unmapping freed blocks each step faults in anew (docs/perf.md)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

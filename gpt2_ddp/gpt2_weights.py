@@ -1,12 +1,8 @@
-"""
-GPT-2 weights in and out as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's on the hub, or a
-local directory) and our checkpoints into train_gpt2.py's GPT layout, and its state dicts out as
-Hugging Face directories that `transformers` loads offline, with GPT-2's tokenizer files from
-assets/ (--init_from, scripts/export_hf.py).
-
+"""GPT-2 weights in and out as state dicts: Hugging Face GPT-2 checkpoints (OpenAI's on the hub, or a
+local directory) and ours into train_gpt2.py's GPT layout (--init_from), and its state dicts out as
+Hugging Face directories that `transformers` loads offline, with assets/' tokenizer (export_hf.py).
 Hugging Face's GPT-2 differs only in keeping matmul weights in Conv1D modules, (in_features,
-out_features), the transpose of nn.Linear's, and holding the tied wte/lm_head matrix once.
-"""
+out_features), the transpose of nn.Linear's, and holding the tied wte/lm_head matrix once."""
 
 import json
 import os
@@ -35,9 +31,8 @@ JSON_KINDS = {str: "a string", float: "a float", bool: "a boolean", type(None): 
 
 
 def load_weights(source, weights=True):
-    """(shape, state) of `source`, a checkpoint (any format version) or out_dir of train_gpt2.py, a
-    Hugging Face GPT-2 directory or a hub name: shape maps MODEL_KEYS to its values, state is its
-    model state dict (None without `weights`). Raises UserError for any other, or a damaged one."""
+    """(shape: MODEL_KEYS -> values, model state dict or None without `weights`) of any source in
+    SOURCES. Raises UserError for any other source, or a damaged one."""
     path = checkpoints.resolve(source)
     if path is None:
         return load_hf(source, weights)
@@ -61,9 +56,8 @@ def load_weights(source, weights=True):
 
 
 def hf_dir(source):
-    """The local directory of a Hugging Face GPT-2 checkpoint: `source`, or for a hub name
-    (HUB_NAMES) huggingface_hub's cached snapshot. Raises UserError when the directory lacks
-    config.json or model.safetensors, or the download fails."""
+    """The local directory of a Hugging Face GPT-2 checkpoint: `source`, or a hub name's cached snapshot.
+    Raises UserError when it lacks config.json or model.safetensors, or the download fails."""
     if source in HUB_NAMES:
         from huggingface_hub import snapshot_download
         try:
@@ -85,9 +79,8 @@ def hf_dir(source):
 
 
 def read_hf_config(path):
-    """The config.json of the Hugging Face directory `path`, as a dict whose SHAPE_KEYS are
-    positive integers (n_embd a multiple of n_head). Raises UserError, naming the file, when it
-    cannot be read, is not a JSON object, or lacks one of them or has one of another type."""
+    """The config.json of the Hugging Face directory `path`, as a dict whose SHAPE_KEYS are positive
+    integers (n_embd a multiple of n_head). Raises UserError, naming the file, for anything else."""
     file = path / "config.json"
     try:
         hf_config = json.loads(file.read_text(encoding="utf-8"))
@@ -113,9 +106,8 @@ def read_hf_config(path):
 
 
 def load_hf(source, weights=True):
-    """(shape, state) of a Hugging Face GPT-2 checkpoint (`source` as for hf_dir), as load_weights
-    returns them. Raises UserError as hf_dir, read_hf_config and hf_state do, or for a config not of
-    GPT-2's architecture; the caller checks tensor names and shapes (state_mismatch)."""
+    """(shape, state) of a Hugging Face GPT-2 checkpoint, as load_weights. Raises UserError as hf_dir,
+    read_hf_config and hf_state do, or for a config not of GPT-2's architecture."""
     path = hf_dir(source)
     hf_config = read_hf_config(path)
     # the architecture train_gpt2.GPT implements; any other would load and compute something else
@@ -134,9 +126,8 @@ def load_hf(source, weights=True):
 
 
 def hf_state(file):
-    """The tensors of a Hugging Face GPT-2 model.safetensors, keyed and laid out as GPT.state_dict(),
-    float32. Raises UserError for a file that cannot be read, a tensor that is not floating point or
-    holds NaN or infinity, or an lm_head.weight that is not wte.weight."""
+    """A Hugging Face GPT-2 model.safetensors as GPT.state_dict() in float32. Raises UserError for an
+    unreadable file, a tensor not floating point or not finite, or an lm_head.weight not wte.weight."""
     from safetensors.torch import load_file
     try:
         tensors = load_file(file)
@@ -174,11 +165,10 @@ def state_mismatch(state, expected):
 
 
 def save_hf(model_state, config, out_dir):
-    """Writes out_dir, a Hugging Face GPT-2 directory that transformers' GPT2LMHeadModel and
-    GPT2TokenizerFast load offline, from a GPT's state dict and train_gpt2.Config, whole or not at
-    all. All vocab_size rows are kept, so logits are ours exactly; bias=false gets zero biases.
-    Raises UserError if out_dir is not absent or empty, cannot be written, or an asset's sha256
-    is not the expected one."""
+    """Writes out_dir, whole or not at all, a Hugging Face GPT-2 directory that transformers loads
+    offline, from a GPT's state dict and train_gpt2.Config: all vocab_size rows, so the logits are
+    ours; bias=false as zero biases. Raises UserError if out_dir is not absent or empty, cannot be
+    written, or an asset's sha256 is not the expected one."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -193,14 +183,12 @@ def save_hf(model_state, config, out_dir):
             tensor = tensor.detach().float().cpu()
             tensors[key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
     hf_config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.block_size,
-        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
-        "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "tie_word_embeddings": True,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-        "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256,
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-    }
+        "bos_token_id": 50256, "eos_token_id": 50256, "torch_dtype": "float32"}
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
                         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                         "unk_token": "<|endoftext|>", "add_prefix_space": False}

@@ -1,12 +1,8 @@
-"""
-HellaSwag (Zellers et al. 2019, https://rowanzellers.com/hellaswag/): pick the sensible ending of 4.
-Scored as build-nanogpt's hellaswag.py and llm.c's dev/data/hellaswag.py do, so numbers compare:
-a candidate is the context's tokens then those of " " + ending, scored by the model's cross-entropy
-on the ending tokens alone; acc_norm picks the lowest mean loss per token, acc the lowest sum.
-
-Run `python -m scripts.hellaswag gpt2`, or --hellaswag_interval=250 in training. The validation
-jsonl of the official repository is downloaded once to data/hellaswag/ when missing.
-"""
+"""HellaSwag (Zellers et al. 2019, https://rowanzellers.com/hellaswag/): pick the sensible ending of 4.
+Scored as build-nanogpt's and llm.c's hellaswag.py, so numbers compare: a candidate is the context's
+tokens then those of " " + ending, scored by the model's cross-entropy on the ending's tokens alone;
+acc_norm picks the lowest mean loss per token, acc the lowest sum. The official validation jsonl is
+downloaded once to data/hellaswag/ (`python -m scripts.hellaswag gpt2`, --hellaswag_interval=250)."""
 
 import json
 import math
@@ -57,10 +53,9 @@ def download(path):
 
 
 def load_examples(path, limit=0):
-    """The first `limit` (0: all) examples of a jsonl file in the official schema, as dicts of
-    "ctx" (str), "endings" (4 str) and "label" (0-3, or a digit string as in the hub's copy).
-    Raises UserError, naming the file and line, for a missing or empty file, a line that is not
-    complete JSON in UTF-8, or an example that breaks the schema."""
+    """The first `limit` (0: all) examples of a jsonl file in the official schema, as dicts of "ctx"
+    (str), "endings" (4 str) and "label" (0-3, or a digit string). Raises UserError, naming the file
+    and line, for a missing or empty file, a line not complete UTF-8 JSON, or a bad example."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"HellaSwag file {path} not found (it is downloaded from {URL} when missing)")
@@ -94,9 +89,8 @@ def load_examples(path, limit=0):
 
 
 def examples_for_training(config):
-    """train_gpt2.py's examples, rendered: the first config.hellaswag_examples (0: all) of
-    config.hellaswag_path, which the master downloads if missing. A collective. Raises UserError as
-    download() (on every rank), load_examples() and render_all() do. None for hellaswag_interval=0."""
+    """train_gpt2.py's rendered examples (None for hellaswag_interval=0), which the master downloads
+    if missing. A collective. Raises UserError as download(), load_examples() and render_all() do."""
     if config.hellaswag_interval == 0:
         return None
     path = Path(config.hellaswag_path)
@@ -106,9 +100,8 @@ def examples_for_training(config):
 
 
 def render(example, enc, block_size):
-    """The 4 candidates of an example as one batch: tokens (4, L) int64, the context then the
-    ending, zero-padded to the longest; mask (4, L), 1 on the ending's tokens. A candidate longer
-    than block_size loses its first tokens (the context's), as the model sees no more."""
+    """An example's 4 candidates as tokens (4, L) int64, context then ending, zero-padded to the longest
+    but at most block_size (cutting the context's start), and mask (4, L), 1 on the ending's tokens."""
     ctx = enc.encode_ordinary(example["ctx"])
     rows = [(ctx + end, [0] * len(ctx) + [1] * len(end))
             for end in (enc.encode_ordinary(" " + e) for e in example["endings"])]
@@ -123,9 +116,8 @@ def render(example, enc, block_size):
 
 
 def render_all(examples, block_size, vocab_size):
-    """Renders examples once for all evaluations: a list of (tokens, mask, label) as render()
-    makes them. Raises UserError for a token id >= vocab_size: a model with a smaller vocabulary
-    than GPT-2's tokenizer (50257) cannot score HellaSwag."""
+    """A list of (tokens, mask, label) as render() makes them, once for all evaluations. Raises
+    UserError for a token id >= vocab_size: a model of a smaller vocabulary than GPT-2's cannot score."""
     enc = gpt2_encoding()
     rendered = []
     for number, example in enumerate(examples, 1):
@@ -140,9 +132,8 @@ def render_all(examples, block_size, vocab_size):
 
 @torch.no_grad()
 def ending_losses(model, tokens, mask, autocast=None):
-    """Cross-entropy of each candidate's ending. tokens, mask: (4, L) from render().
-    Returns (sum, mean): the loss summed over the ending's tokens and its mean per token, (4,)
-    float32 each, nats. `model(idx)` must return (logits, _) as train_gpt2.GPT does."""
+    """(sum, mean) of each candidate's ending's cross-entropy over its tokens, (4,) float32 nats each,
+    from tokens, mask (4, L) of render(). `model(idx)` returns (logits, _) as train_gpt2.GPT does."""
     with autocast or nullcontext():
         logits, _ = model(tokens)  # (4, L, vocab_size)
     logits, targets = logits[:, :-1].float(), tokens[:, 1:]  # position t predicts token t + 1
@@ -153,11 +144,10 @@ def ending_losses(model, tokens, mask, autocast=None):
 
 
 def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check_stop=None):
-    """{"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"} of `model` over `examples`
-    (from render_all): two fractions in [0, 1] and the count. A collective: example i runs on rank
-    i % world_size, counts are summed over ranks, and a rank out of examples scores its last again,
-    uncounted, so FSDP's all-gathers pair up. check_stop() runs before each example (the training
-    loop's raises to stop). Leaves the model in eval mode."""
+    """{"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"} of `model` over `examples` (from
+    render_all): two fractions in [0, 1] and the count. A collective: example i runs on rank
+    i % world_size, and a rank out of examples scores its last again, uncounted, so FSDP's
+    all-gathers pair up. check_stop() runs before each example. Leaves the model in eval mode."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     indices = range(rank, math.ceil(len(examples) / world_size) * world_size, world_size)

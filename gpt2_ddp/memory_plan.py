@@ -1,14 +1,10 @@
-"""
-Memory per rank before anything runs (parameters, gradients, optimizer state, activations) by
-sharding mode, for a config, world size and device, and the largest micro-batch that fits.
-`python -m scripts.memory_plan` prints the table; its --measure checks the plan against a CPU step.
-
+"""Memory per rank before anything runs (parameters, gradients, optimizer state, activations) by sharding
+mode, for a config, world size and device, and the largest micro-batch that fits (scripts/memory_plan.py).
 Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations, 16 tensors of s*b*h
-elements plus two 1-byte dropout masks, less the 5*a*s^2*b attention matrix that flash attention
-does not store. Here the two LayerNorm inputs are the float32 residual stream: 14 tensors at the
-activation width (2 bytes under bfloat16 or float16 autocast, 4 in float32) and 2 at 4 bytes.
-"""
+Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations, 16 tensors of s*b*h elements
+plus two 1-byte dropout masks, less the 5*a*s^2*b attention matrix that flash attention does not store.
+Here the two LayerNorm inputs are the float32 residual stream: 14 tensors at the activation width
+(2 bytes under bfloat16 or float16 autocast, 4 in float32) and 2 at 4 bytes."""
 
 import dataclasses
 
@@ -21,9 +17,8 @@ GB = 2**30
 
 
 def count(model, optimizer):
-    """The plan's counts of a GPT and its optimizer on the meta device (stepped once to allocate its
-    state): "params", "param_bytes", "optimizer_bytes", and the numels "matmul" (Linear weights),
-    "root" (outside the blocks) and "block" (one block)."""
+    """The plan's counts of a meta-device GPT and its optimizer (stepped once): "params", "param_bytes",
+    "optimizer_bytes", and the numels "matmul" (Linear weights), "root" (outside blocks), "block"."""
     params = list(model.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -49,16 +44,12 @@ def extra_copies(config, world_size):
 
 
 def plan(config, world_size, counts):
-    """Bytes per rank, by part, of a training step of `config` (its dtype: bfloat16, float16 or
-    float32) on `world_size` ranks, `counts` from count(). Returns {part: bytes} whose last entry,
-    "total", is their sum. With W = world_size:
-      parameters: /W in fsdp, plus zero2's slices, plus in 16 bits the copies kept for the
-        backward (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
-      gradients: as the parameters (/W in fsdp) plus extra_copies; exact_reduction's float64 sums
-        twice that;
-      optimizer state: the optimizer's own, /W in zero2 and fsdp;
-      activations: saved for the backward of one micro-batch (module docstring);
-      logits: the (B, T, vocab) tensors alive at once around the loss."""
+    """{part: bytes} per rank of a training step of `config` (dtype bfloat16, float16 or float32) on
+    `world_size` ranks, `counts` from count(), its last entry "total" their sum. With W = world_size:
+      parameters: /W in fsdp, plus zero2's slices, plus in 16 bits the copies kept for the backward
+        (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
+      gradients: as the parameters plus extra_copies; exact_reduction's float64 sums twice that;
+      optimizer state: /W in zero2 and fsdp; activations: one micro-batch's; logits: (B, T, vocab)."""
     W, P = world_size, counts["param_bytes"]
     s, b, h = config.seq_len, config.micro_batch_size, config.n_embd
     half = config.dtype != "float32"
@@ -93,8 +84,7 @@ def max_micro_batch(config, world_size, counts, memory_bytes, usable=0.9):
 
 
 def available_bytes(device):
-    """(bytes, words) of memory `device` (a torch.device) can still allocate: CUDA's free memory, or
-    on Linux CPUs MemAvailable plus free swap from /proc/meminfo; None where it cannot be known."""
+    """(bytes, words) free on `device`: CUDA's free memory, Linux's MemAvailable + SwapFree, else None."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"{device} has {free / GB:.1f} GB free"
@@ -110,9 +100,8 @@ def available_bytes(device):
 
 
 def checked_summary(config, world_size, device, counts):
-    """One line for train_gpt2.py's console: the plan's parts and total per rank on `device` (a
-    torch.device), in GB (MB under 1 GB). Raises UserError, in one line, when the planned
-    parameters, gradients and optimizer state per rank exceed available_bytes(device)."""
+    """train_gpt2.py's console line of the plan's parts and total per rank in GB (MB under 1 GB). Raises
+    UserError when parameters, gradients and optimizer state exceed available_bytes(device)."""
     parts = plan(config, world_size, counts)
     # refused only on what the optimizer step surely holds: not the activations, nor autocast's
     # 16-bit copies (absent from the float32 plan) or exact_reduction's float64 sums, freed by then

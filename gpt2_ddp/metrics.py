@@ -1,7 +1,5 @@
-"""
-What a run reports: rank 0 prints a line per training step and evaluation, and writes the numbers as
-a JSON record to {out_dir}/log.jsonl and to the wandb or TensorBoard sinks config asks for.
-"""
+"""What a run reports: rank 0 prints a line per training step and evaluation, and writes the numbers as
+a JSON record to {out_dir}/log.jsonl and to the wandb or TensorBoard sinks config asks for."""
 
 import contextlib
 import dataclasses
@@ -27,9 +25,8 @@ def log(*args):
 
 
 class Wandb:
-    """A wandb run that receives every record, charted against the record's `step`. Its id is kept
-    in {out_dir}/wandb_run_id, so a run resumed from a checkpoint logs to the same wandb run.
-    Raises UserError when the wandb package is missing or wandb.init fails."""
+    """A wandb run of every record against its `step`, its id in {out_dir}/wandb_run_id for a resumed
+    run to log to. Raises UserError when the wandb package is missing or wandb.init fails."""
 
     def __init__(self, config, resumed):
         try:
@@ -64,9 +61,8 @@ class Wandb:
 
 
 class TensorBoard:
-    """TensorBoard event files under {out_dir}/tensorboard, a scalar per record key at the record's
-    step. Events of steps >= first_step that an earlier run wrote are hidden, as they are cut from
-    log.jsonl. Raises UserError when the tensorboard package is missing."""
+    """TensorBoard scalars of each record under {out_dir}/tensorboard, earlier runs' events from
+    first_step on hidden. Raises UserError when the tensorboard package is missing."""
 
     def __init__(self, config, first_step):
         try:
@@ -87,8 +83,7 @@ class TensorBoard:
 
 
 def start_profiler(config, rank):
-    """A torch.profiler of this run's updates 4, 5 and 6, after warm-up, writing
-    {out_dir}/trace_rank{rank}.json (scripts/timeline.py draws it); None unless config.profile."""
+    """A torch.profiler of updates 4 to 6 into {out_dir}/trace_rank{rank}.json; None unless config.profile."""
     if not config.profile:
         return None
     trace = Path(config.out_dir) / f"trace_rank{rank}.json"
@@ -108,8 +103,7 @@ PEAK_FLOPS = [("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 495e12), ("H200", 
 
 
 def peak_flops(name, dtype):
-    """Peak FLOP/s of the GPU called `name` (torch.cuda.get_device_name) in `dtype` (a DTYPES name of
-    gpt2_ddp/precision.py), or None for a GPU not in PEAK_FLOPS."""
+    """Peak FLOP/s of the GPU called `name` in `dtype` (a DTYPES name); None for one not in PEAK_FLOPS."""
     return next((half if dtype != "float32" else full for key, half, full in PEAK_FLOPS
                  if key in name), None)
 
@@ -141,10 +135,9 @@ def close_sinks(sinks, failed):
 
 
 class Metrics:
-    """The reports of a run from start_step (its checkpoint's step, 0 for none) on, and its profiler
-    (start_profiler). out: rank 0's checkpoints.OutDir (None elsewhere); model: the GPT, whose
-    training FLOPs per optimizer step give MFU against the peak of config.dtype. A collective: opens
-    the sinks on rank 0, raising UserError on every rank if one fails."""
+    """The reports of a run from start_step (its checkpoint's, or 0) on, and its profiler. out: rank 0's
+    checkpoints.OutDir (None elsewhere); model: the GPT, whose FLOPs per step give MFU. A collective:
+    opens the sinks on rank 0, raising UserError on every rank if one fails."""
 
     def __init__(self, out, config, rank, world_size, device, model, start_step):
         self.out, self.config, self.world_size, self.device = out, config, world_size, device
@@ -179,18 +172,14 @@ class Metrics:
             sink.write(record)
 
     def evaluation(self, step, result, text):
-        """Reports an evaluation at `step`: result is its record's fields (val_loss, or
-        HellaSwag's), text its console line."""
+        """Reports an evaluation at `step`: result is its record's fields, text its console line."""
         log(f"step {step:5d} | {text}")
         self.write({"step": step, **result})
 
     def train_step(self, step, loss, lr, norm, t0, optimizer, scaler, skipped, overflow):
-        """Reports the step-th update (counted from 1, as its checkpoint), begun at time.time() t0:
-        loss (the mean over its micro-batches), lr, norm (the gradient's before clipping), whether
-        the update was skipped and whether for float16's overflow (gpt2_ddp/precision.py), the loss
-        scale that the next step uses (float16's scaler), Muon's lr as optimizer's Muon groups hold
-        it, and in this run's first the bytes of optimizer state this rank holds.
-        A loss over a nat above the running mean (e times its perplexity) gets a line of its own."""
+        """Reports the step-th update (from 1), begun at time.time() t0: loss (mean of micro-batches), lr,
+        norm (before clipping), skipped, float16 overflow, loss scale, Muon's lr, and first the optimizer
+        state bytes of this rank. A loss a nat above the running mean gets its own line."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the GPU's work of the step is done
         dt = time.time() - t0

@@ -1,13 +1,9 @@
-"""
-Muon (Jordan et al. 2024) for matrices that data parallelism may split over ranks, and Chain, which
-steps AdamW and Muon as one optimizer, as nanochat pairs them.
-
-Each parameter is this rank's view of a matrix: the whole matrix (ddp), a DTensor's dim-0 shard
-(fsdp), or a flat slice carrying the matrix's shape as `whole_shape` (zero2). Momentum is
-element-wise, so each rank keeps its view's. Newton-Schulz needs the whole matrix, so each matrix
-has an owner rank that gathers the views' updates, orthogonalizes the matrix and hands every rank
-its view of the result. Every rank computes the same load-balanced owners.
-"""
+"""Muon (Jordan et al. 2024) for matrices that data parallelism may split over ranks, and Chain, which
+steps AdamW and Muon as one optimizer, as nanochat pairs them. Each parameter is this rank's view of a
+matrix: the whole matrix (ddp), a DTensor's dim-0 shard (fsdp), or a flat slice carrying the matrix's
+shape as `whole_shape` (zero2). Each rank keeps its view's element-wise momentum. Newton-Schulz needs
+the whole matrix, so its owner rank (load-balanced, the same on every rank) gathers the views'
+updates, orthogonalizes and hands every rank its view of the result."""
 
 import math
 
@@ -24,8 +20,7 @@ MUON_MOMENTUM = 0.95
 
 def orthogonalize(G, steps=NS_STEPS, eps=1e-7):
     """About the nearest semi-orthogonal matrix to each of G's (S, m, n) matrices, as (S, m, n)
-    bfloat16: Muon's quintic Newton-Schulz, torch.optim.Muon's _zeropower_via_newtonschulz batched.
-    Singular values land in about [0.7, 1.2], which does not hurt training."""
+    bfloat16 (singular values in about [0.7, 1.2]): torch.optim.Muon's quintic Newton-Schulz, batched."""
     a, b, c = NS_COEFFICIENTS
     X = G.bfloat16()
     tall = X.size(-2) > X.size(-1)
@@ -55,9 +50,8 @@ def when_done(work, result):
 class Muon(torch.optim.Optimizer):
     """SGD with Nesterov momentum whose update of each matrix is orthogonalize()d and scaled by
     sqrt(max(1, rows / cols)), with decoupled weight decay: torch.optim.Muon's step (adjust_lr_fn
-    "original"), for views of matrices. A group's `splits` stacks that many matrices by rows in each
-    parameter (c_attn's q, k and v), each orthogonalized alone, as modded-nanogpt and nanochat do.
-    step() is a collective under torch.distributed: every rank calls it."""
+    "original") for views of matrices. A group's `splits` stacks that many matrices by rows in each
+    parameter (c_attn's q, k, v), each orthogonalized alone. step() is a collective."""
 
     def __init__(self, params, lr, momentum=MUON_MOMENTUM, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, splits=1))
@@ -91,8 +85,7 @@ class Muon(torch.optim.Optimizer):
         return None
 
     def to_owner(self, update, p):
-        """Starts moving this rank's view of p's update to the owner; returns a function that
-        waits and gives the whole update on the owner, None elsewhere."""
+        """Starts gathering p's update on its owner; returns a function giving it there, None elsewhere."""
         owner, n = self.owner[p], self.piece_numel(p)
         if n is None:
             return lambda: update if self.rank == owner else None
@@ -104,8 +97,7 @@ class Muon(torch.optim.Optimizer):
                          else torch.cat(pieces)[:math.prod(shape)].view(shape))
 
     def from_owner(self, whole, p):
-        """Starts handing the owner's bfloat16 `whole` result to every rank; returns a function
-        that waits and gives this rank's view of it."""
+        """Starts handing the owner's bfloat16 `whole` out; returns a function giving this rank's view."""
         owner, n = self.owner[p], self.piece_numel(p)
         if n is None:
             if self.world_size == 1:
@@ -156,8 +148,8 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain:
-    """Several optimizers over disjoint parameters (AdamW and Muon), stepped as one. param_groups,
-    state and state_dict() number parameters as one torch optimizer over all their groups would."""
+    """Optimizers over disjoint parameters (AdamW and Muon) stepped as one, numbering parameters in
+    param_groups, state and state_dict() as one torch optimizer over all their groups would."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers

@@ -1,10 +1,7 @@
-"""
-The arithmetic of a run, from config.dtype: bfloat16 or float16 autocast (float32 weights, optimizer
-and loss; matmuls and attention in 16 bits) or float32 throughout, and torch's loss scaler, on for
-float16 alone. dtype=auto picks bfloat16 on CUDA GPUs with bf16 tensor cores (compute capability 8.0
-on), float16 on older ones (nanoGPT's choice) and float32 on CPU and MPS. The same autocast runs on
-every device, so the CPU tests run a GPU's casts.
-"""
+"""The arithmetic of a run, from config.dtype: bfloat16 or float16 autocast (float32 weights, optimizer
+and loss; matmuls and attention in 16 bits) or float32 throughout, and torch's loss scaler for float16.
+dtype=auto picks bfloat16 on CUDA GPUs of compute capability 8.0 on, float16 on older ones (nanoGPT's
+choice) and float32 on CPU and MPS. Autocast is the same on every device, so CPU tests run a GPU's."""
 
 import dataclasses
 import math
@@ -19,9 +16,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve(config, device):
-    """(config with the dtype that runs, a line saying which and why): config.dtype, or the one
-    dtype=auto picks for `device`. Raises UserError for bfloat16 on a CUDA GPU without bf16 tensor
-    cores, or a dtype that this device or this torch cannot autocast (check_runs)."""
+    """(config with the dtype that runs, a line saying which and why). Raises UserError for bfloat16 on
+    a GPU without bf16 tensor cores, or a dtype this device or torch cannot autocast (check_runs)."""
     dtype, why = config.dtype, f"set by dtype={config.dtype}"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -60,18 +56,15 @@ def check_runs(dtype, device):
 
 
 def autocast(dtype, device):
-    """The context every forward of a run goes under: torch.autocast to `dtype` (a DTYPES name) on
-    `device`'s type, or nothing for float32."""
+    """torch.autocast to `dtype` (a DTYPES name) on `device`'s type, or nothing for float32."""
     if dtype == "float32":
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
 def grad_scaler(dtype, sharding, device):
-    """torch's loss scaler (Micikevicius et al. 2018), off unless `dtype` is float16. Its found-inf
-    flag must be the same on every rank: zero2's gradient slices need torch's sharded scaler, which
-    all-reduces it; fsdp's DTensors get it all-reduced by DTensor's own dispatch; ddp's gradients
-    are the same everywhere."""
+    """torch's loss scaler, off unless `dtype` is float16. Its found-inf flag must agree over ranks:
+    zero2's slices need the sharded scaler; DTensor all-reduces fsdp's; ddp's grads are alike."""
     enabled = dtype == "float16"
     if enabled and sharding == "zero2":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP's import is slow
@@ -80,9 +73,7 @@ def grad_scaler(dtype, sharding, device):
 
 
 def overflowed(scaler, loss, norm):
-    """Whether an update skipped for a non-finite gradient norm under a finite loss was float16's
-    normal overflow, which the scaler answers by halving its scale (after scaler.update()). An
-    overflow at a scale under 1 is the gradient's own, unscaled: a divergence, like a non-finite
-    loss."""
+    """Whether an update skipped for a non-finite gradient norm under a finite loss was float16's normal
+    overflow (the scaler then halves its scale); one at a scale under 1 is a divergence."""
     return (not math.isfinite(norm) and math.isfinite(loss) and scaler.is_enabled()
             and scaler.get_scale() >= 0.5)  # halved from 1 or more

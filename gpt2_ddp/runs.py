@@ -1,7 +1,5 @@
-"""
-Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and scripts; and running
-any command with its output streamed.
-"""
+"""Launching train_gpt2.py and reading the log.jsonl it writes, for the tests and scripts; and running
+any command with its output streamed."""
 
 import contextlib
 import json
@@ -32,9 +30,8 @@ STOP_GRACE_S = 60  # how long a stopped child may take to end (a training run sa
 
 @contextlib.contextmanager
 def stop_signals_end(child):
-    """While the block waits on child, SIGTERM or SIGINT to this process passes SIGTERM on to the
-    child, waits up to STOP_GRACE_S for it to end (then kills it), and exits with 128 + the signal's
-    number. Only the main thread can take signals: elsewhere it does nothing."""
+    """While the block waits on child, SIGTERM or SIGINT here passes SIGTERM on to it, waits up to
+    STOP_GRACE_S for it to end (then kills it) and exits 128 + signum; off the main thread, nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -66,9 +63,9 @@ def stop_signals_end(child):
 
 
 def stream(cmd, on_line, timeout=None, env=None):
-    """Runs cmd in the repo root, calling on_line(line, from_stdout) for each output line as it
-    comes, one call at a time. Returns (exit code, or None when killed past `timeout` seconds;
-    stdout; stderr). A stop signal to this process ends the child first (stop_signals_end)."""
+    """Runs cmd in the repo root, calling on_line(line, from_stdout) for each output line, one call at
+    a time; a stop signal here ends cmd first (stop_signals_end). Returns (exit code, or None when
+    killed past `timeout` seconds; stdout; stderr)."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              cwd=ROOT)
     stdout, stderr, lock = [], [], threading.Lock()
@@ -99,9 +96,8 @@ def stream(cmd, on_line, timeout=None, env=None):
 
 def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None,
           torchrun=None):
-    """Runs command(args, ...) through stream() and returns the CompletedProcess. progress: a label
-    that prefixes the run's start, "step" lines and end, printed on stderr. Raises UserError with
-    the output if it fails, and subprocess.TimeoutExpired if it runs past `timeout` seconds."""
+    """The CompletedProcess of command(args, ...) run by stream(), with `progress` labelling its "step"
+    lines on stderr. Raises UserError with the output if it fails, TimeoutExpired past `timeout` s."""
     cmd = command(args, nproc, python, torchrun=torchrun)
     start = time.monotonic()
     if progress is not None:
@@ -122,11 +118,9 @@ def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress
 
 
 def read_log(path, keep=lambda record: True, what="a JSON object"):
-    """The records of a log.jsonl, or of DIR/log.jsonl, as a list of dicts in the file's order. A
-    line that is not a JSON object, or that keep(record) refuses, is skipped with one warning on
-    stderr that names the lines and `what` they are not (a torn line, after a full disk); a last
-    line still unterminated (a killed run, or one being written) silently. Raises UserError, in one
-    line, for a file that cannot be read or that holds no record kept."""
+    """The records (dicts, in order) of a log.jsonl or DIR/log.jsonl. Lines not `what` (a JSON object
+    keep(record) takes) are skipped with one warning naming them; an unterminated last one silently.
+    Raises UserError for a file that cannot be read or that holds no record kept."""
     path = Path(path)
     if path.is_dir():
         path = path / "log.jsonl"
@@ -156,7 +150,6 @@ def read_log(path, keep=lambda record: True, what="a JSON object"):
 
 
 def split_records(records):
-    """(train steps, evals, HellaSwag evals): the records that hold "loss", "val_loss" and
-    "hellaswag_acc_norm", each list in the log's order."""
+    """(train steps, evals, HellaSwag evals): the records holding "loss", "val_loss", "hellaswag_acc_norm"."""
     return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r],
             [r for r in records if "hellaswag_acc_norm" in r])

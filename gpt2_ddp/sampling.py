@@ -6,11 +6,9 @@ from torch import nn
 
 
 class KVCache:
-    """The keys and values of every layer's attention while sampling, so that each new token runs
-    through the model alone, as nanoGPT PR #76 and transformers' past_key_values do. k, v:
-    (n_layer, B, nh, length, hs), preallocated by the first store() in the dtype and on the device
-    of its keys; pos: the positions filled. A plain class, not a dataclass: FSDP2 casts a module's
-    inputs by rebuilding dataclasses, and the blocks would then fill a copy."""
+    """Every layer's attention keys and values while sampling, as transformers' past_key_values. k, v:
+    (n_layer, B, nh, length, hs), allocated by the first store() as its keys; pos: the positions
+    filled. Not a dataclass: FSDP2 rebuilds those when casting inputs, so the blocks would fill a copy."""
 
     def __init__(self, n_layer, length):
         self.n_layer, self.length = n_layer, length
@@ -18,9 +16,8 @@ class KVCache:
         self.pos = 0
 
     def store(self, layer, k, v):
-        """Writes k, v (B, nh, T, hs) of layer `layer` at positions pos..pos+T-1. Returns that
-        layer's keys and values of positions 0..pos+T-1, (B, nh, pos+T, hs) each: views of the
-        cache, not copies. GPT.forward advances pos once all layers have stored."""
+        """Writes k, v (B, nh, T, hs) of `layer` at positions pos..pos+T-1; returns views of that layer's
+        keys and values of positions 0..pos+T-1, (B, nh, pos+T, hs). GPT.forward advances pos."""
         if self.k is None:
             B, nh, _, hs = k.shape
             self.k = k.new_empty(self.n_layer, B, nh, self.length, hs)

@@ -1,6 +1,5 @@
-"""GPT-2's BPE tokenizer, offline: tiktoken's "gpt2" encoding built from GPT-2's released
-vocabulary and merges, assets/encoder.json and assets/vocab.bpe, so that neither prepare_data.py
-nor sampling needs the network. save_hf exports the same two files as vocab.json and merges.txt."""
+"""GPT-2's BPE tokenizer, offline: tiktoken's "gpt2" encoding built from GPT-2's released vocabulary
+and merges, assets/encoder.json and assets/vocab.bpe (save_hf exports them as vocab.json, merges.txt)."""
 
 import functools
 import hashlib

@@ -10,10 +10,9 @@ MFU, peak GPU memory, where a step's time goes, and one rank's optimizer state a
     python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
     python -m scripts.bench configs/gpt2_124m.toml --variants bfloat16 float16 float32
 
-Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra
-`--key=value` arguments, rank 0's trace in {out}/{variant}/trace_rank0.json; docs/perf.md explains
-the columns. A rerun replaces only the variant directories that bench.py made; SIGTERM or Ctrl-C
-ends the training run too.
+Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra `--key=value`
+arguments, rank 0's trace in {out}/{variant}/trace_rank0.json (docs/perf.md explains the columns). A rerun
+replaces only the variant directories bench.py made; SIGTERM or Ctrl-C ends the training run too.
 """
 
 import json
@@ -44,9 +43,8 @@ VARIANTS = {
 
 
 def plan(specs, micro_batch_sizes):
-    """(name, overrides) of each variant ('name' or 'name:--key=value,...') and micro-batch size.
-    Raises UserError for an unknown variant, a name that is not a plain directory name or is
-    repeated, or a micro-batch size below 1."""
+    """(name, overrides) of each variant ('name' or 'name:--key=value,...') and micro-batch size. Raises
+    UserError for an unknown variant, a name not a plain directory name or repeated, or a size < 1."""
     if min(micro_batch_sizes, default=1) < 1:
         raise UserError(f"--micro_batch_sizes must be >= 1, not {min(micro_batch_sizes)}")
     variants = []
@@ -77,8 +75,8 @@ def made_here(out):
 
 
 def run(name, overrides, args, train_args):
-    """Trains one variant in {out_dir}/{name}, replacing bench.py's own run there; returns its log
-    records and rank 0's trace path. Raises UserError if it fails."""
+    """(log records, rank 0's trace path) of one variant trained in {out_dir}/{name}, replacing
+    bench.py's own run there. Raises UserError if it fails."""
     out = Path(args.out_dir) / name
     if made_here(out):
         shutil.rmtree(out)
@@ -95,8 +93,7 @@ def run(name, overrides, args, train_args):
 
 
 def time_split(events):
-    """Per-step ms (GPU time where the trace has it) of data, fwd_bwd, allreduce_wait (None without
-    a non-syncing micro-step), optimizer and newton_schulz (None without Muon), as a dict."""
+    """Per-step ms (GPU time where traced) of data, fwd_bwd, allreduce_wait, optimizer, newton_schulz."""
     cat = ("gpu_user_annotation" if any(e.get("cat") == "gpu_user_annotation" for e in events)
            else "user_annotation")
     durations = {}

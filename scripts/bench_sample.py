@@ -7,9 +7,9 @@ Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers' 
     python -m scripts.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
 
 Both hold the same random weights (GPT-2 124M's shape by default), so the first line's largest logits
-difference should be tiny. Each samples --new_tokens after one random 16-token prompt, batch 1, top_k
-50, never stopping at <|endoftext|>. tok/s is the new tokens over the whole call's wall time, prefill
-included, after a warm-up. Needs transformers (pip install transformers).
+difference should be tiny. Each samples --new_tokens after one random 16-token prompt, batch 1, top_k 50,
+never stopping at <|endoftext|>; tok/s counts the whole call, prefill included, after a warm-up. Needs
+transformers (pip install transformers).
 """
 
 import copy
@@ -88,7 +88,7 @@ def spread(tok_per_s):
 
 
 def time_setting(name, model, hf, prompt, args):
-    """The table's rows of one setting, one per --new_tokens, timed after a warm-up call of each."""
+    """The table's rows of one setting, one per --new_tokens, timed after a warm-up call."""
     ours(model, prompt, 8, args.seed)
     theirs(hf, prompt, 8, args.seed)
     rows = []

@@ -9,10 +9,9 @@ that each trains the same model as this one at every world size.
     python -m scripts.check_equivalence configs/gpt2_124m.toml --world_sizes 1 8 --max_steps=50
     python -m scripts.check_equivalence configs/shakespeare_cpu.toml --world_sizes 2 --python venv/bin/python
 
-Arguments other than the options below go to train_gpt2.py. World size 1 runs as `python
-train_gpt2.py`, the others under torchrun, all with --resume=never --overwrite=true. Each run's
-steps show on stderr as it trains; the tables go to stdout. With --python it exits 1 when a loss
-or gradient norm differs from this interpreter's by more than --tolerance, relative.
+Arguments other than the options below go to train_gpt2.py. World size 1 runs as `python train_gpt2.py`,
+the others under torchrun, all with --resume=never --overwrite=true; steps on stderr, tables on stdout.
+With --python it exits 1 when a loss or gradient norm differs by more than --tolerance, relative.
 """
 
 import subprocess
@@ -26,9 +25,8 @@ from gpt2_ddp.configurator import UserError
 
 
 def train(world_size, train_args, out_dir, python=sys.executable, label=None):
-    """Runs train_gpt2.py at `world_size` into out_dir under the interpreter `python`, its progress
-    on stderr after `label` (default "world size N"); returns (train records, eval records,
-    HellaSwag records, final model state dict). Raises UserError with the output if it fails."""
+    """(train, eval and HellaSwag records, final model state dict) of train_gpt2.py at `world_size` in
+    out_dir under `python`, progress after `label`. Raises UserError with the output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
                world_size, python=python, progress=label or f"world size {world_size}")
     checkpoint = checkpoints.listed(out_dir)[-1]
@@ -37,10 +35,9 @@ def train(world_size, train_args, out_dir, python=sys.executable, label=None):
 
 
 def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
-    """Trains at each world size; returns {world_size: {"step", "loss", "grad_norm", "val_loss",
-    "hellaswag", "model", "max_param_diff"}}: the steps (from 1) with their losses and gradient
-    norms (before clipping), the HellaSwag results as (acc_norm, acc, examples) per evaluation,
-    the final state dict, and its largest absolute weight difference to the first world size's."""
+    """{world_size: {"step", "loss", "grad_norm", "val_loss", "hellaswag", "model", "max_param_diff"}}
+    of a run at each: per-step lists, (acc_norm, acc, examples) per HellaSwag eval, the final state
+    dict, and its largest absolute weight difference to the first world size's."""
     trained = {n: train(n, train_args, Path(out_root) / f"world_size_{n}", python,
                         f"{label}world size {n}") for n in world_sizes}
     ref_model = trained[world_sizes[0]][-1]
@@ -85,8 +82,7 @@ def print_table(results):
 
 
 def torch_version(python):
-    """The torch version of the interpreter `python`. Raises UserError if it cannot be run or
-    cannot import torch."""
+    """The torch version of `python`. Raises UserError if it cannot be run or cannot import torch."""
     try:
         proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
                               capture_output=True, text=True)
@@ -100,9 +96,7 @@ def torch_version(python):
 
 
 def compare_pythons(pythons, results, train_args, world_sizes, out_root):
-    """Trains under each other interpreter and prints, per world size, the largest differences of
-    its losses, gradient norms, val losses and weights to this interpreter's `results`; returns
-    the largest loss or gradient norm difference relative to this interpreter's value."""
+    """Trains under `pythons`, printing differences to `results`; returns the worst relative one."""
     worst = 0.0
     for python in pythons:
         version = torch_version(python)

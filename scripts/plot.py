@@ -28,8 +28,7 @@ PANELS = [  # (title, log key, y scale)
 
 
 def series(records, key):
-    """(steps, values) of the records that hold a finite number under `key`, as numpy arrays: a
-    skipped step's NaN loss would end the moving average's curve."""
+    """(steps, values) numpy arrays of the records holding a finite `key`: a NaN ends a moving average."""
     points = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
     return np.array([p[0] for p in points]), np.array([p[1] for p in points], dtype=float)
 
@@ -54,8 +53,7 @@ def pyplot():
 
 
 def save_png(fig, out):
-    """Writes the figure to the PNG `out`, whole or not at all (atomic_write), and closes it.
-    Raises UserError, naming the path, when `out` is a directory or cannot be written."""
+    """Writes fig to the PNG `out` atomically and closes it. Raises UserError, naming `out`, if it can't."""
     import matplotlib.pyplot as plt
     try:
         if Path(out).is_dir():
@@ -112,8 +110,7 @@ def plot(runs, out):
 
 
 def plottable(record):
-    """Whether a record has a finite step number and a number or null under val_loss and each key
-    that PANELS plots (a bool is no number; an int of hundreds of digits is none numpy can hold)."""
+    """Whether a record has a finite step, and an int64-sized number (no bool) or null under each key."""
     values = [record.get(key) for key in ("step", "val_loss", *(key for _, key, _ in PANELS))]
     return (all(v is None or type(v) is float or type(v) is int and abs(v) < 2**63 for v in values)
             and values[0] is not None and math.isfinite(values[0]))

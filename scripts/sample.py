@@ -26,8 +26,7 @@ from train_gpt2 import GPT
 
 
 def add_model_arguments(parser):
-    """The positional `source` and --device, which sample.py and hellaswag.py both take; turn
-    --device into a torch.device with device.named_device."""
+    """The positional `source` and --device (for device.named_device) of sample.py and hellaswag.py."""
     parser.add_argument("source", help=f"the model: {SOURCES}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:N or mps (default: cuda where torch sees one)")

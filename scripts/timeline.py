@@ -33,8 +33,7 @@ def collective_kind(name):
 
 
 def gloo_collectives(events):
-    """(kind, event) of each collective gloo ran, kind as c10d issued it (gloo runs a reduce-scatter
-    as gloo:all_reduce)."""
+    """(kind, event) of each collective gloo ran, kind as c10d issued it (not gloo's all_reduce)."""
     issued = {}  # the gloo range's kind -> the kinds c10d issued to it, in order
     for e in sorted(events, key=lambda e: e["ts"]):
         if e["name"].startswith("c10d::") and (kind := collective_kind(e["name"])):

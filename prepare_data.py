@@ -6,8 +6,9 @@ Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training (do
     python prepare_data.py --input corpus.jsonl --text_field content
     python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT
 
-A .txt file is one document; .jsonl/.json and .parquet files hold one a row; a hub dataset is
-streamed.
+A .txt file is one document, or one a paragraph with --sample_by=paragraph (the embedded corpus's
+default: its paragraphs are speeches); .jsonl/.json and .parquet files hold one a row; a hub dataset
+is streamed.
 
 Each document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The first tokens
 form the val split, the rest train, never in one shard. Shards, in llm.c's .bin format, are named
@@ -219,6 +220,10 @@ def _parse_args(argv):
     parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
     parser.add_argument("--text_field", default="text",
                         help="column holding the text in json/parquet/hub rows (default: text)")
+    parser.add_argument("--sample_by", choices=("document", "paragraph"),
+                        help=".txt input: a document per file, or per paragraph (text between blank lines), "
+                             "as `datasets`' text builder reads them (default: paragraph for the embedded "
+                             "corpus, else document)")
     parser.add_argument("--name", help="prefix of the shard names, a plain file name (default: the first "
                                        "file's stem, the dataset's last path component, or tinyshakespeare)")
     parser.add_argument("--output_dir", help="default: data/<name>/ next to this script")
@@ -249,6 +254,7 @@ def _parse_args(argv):
         parser.error("--val_tokens must be >= 1: training needs a val split")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
+    args.sample_by = args.sample_by or ("document" if args.input or args.dataset else "paragraph")
     return args
 
 
@@ -311,7 +317,7 @@ def main(argv=None):
     out_dir = Path(args.output_dir) if args.output_dir else Path(__file__).resolve().parent / "data" / name
     source = {"inputs": [args.dataset, args.dataset_config, args.split] if args.dataset else
               [[str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-              "options": {k: getattr(args, k) for k in ("name", "text_field", "shard_size",
+              "options": {k: getattr(args, k) for k in ("name", "text_field", "sample_by", "shard_size",
                                                         "val_tokens", "val_fraction", "skip_bad_files")}}
     manifest_path = out_dir / f"{name}_manifest.json"
     with _locked(out_dir):
@@ -424,6 +430,8 @@ def _inputs(args):
         if reader == "text":
             files = _drop_bad_utf8(files, args.skip_bad_files)
         what = " ".join(patterns)
+    if reader != "text" and args.sample_by == "paragraph":
+        raise UserError(f"--sample_by=paragraph splits .txt files, not {what}; leave it out")
     if name in ("", ".", "..") or any(sep and sep in name for sep in ("/", os.sep, os.altsep, "\0")):
         given = "--name" if args.name is not None else f"the name taken from {what}"
         raise UserError(f"{given} {name!r} is not a plain file name (it is empty, '.' or '..', or "
@@ -434,9 +442,9 @@ def _inputs(args):
 def _sources(args, files, reader):
     """The (where, rows) sources, rows() an iterator of (row name, dict) pairs, read afresh on each
     call: a hub dataset, streamed, or one per local file, so errors can name it. .txt and json files
-    are read as `datasets`' text (sample_by=document) and json builders do, but without `datasets`."""
+    are read as `datasets`' text (sample_by=document or paragraph) and json builders do, without it."""
     if reader == "text":  # zero-byte files hold no documents
-        return [(f, partial(_text_rows, f)) for f in files if os.path.getsize(f) > 0]
+        return [(f, partial(_text_rows, f, args.sample_by)) for f in files if os.path.getsize(f) > 0]
     if reader == "json":
         return [(f, partial(_json_rows, f)) for f in files]
     try:  # imported here: slow to import, and only the hub and parquet need it
@@ -466,9 +474,15 @@ def _sources(args, files, reader):
     return sources
 
 
-def _text_rows(path):
-    """A .txt file as one row: (its path, {"text": its contents})."""
-    yield str(path), {"text": Path(path).read_text(encoding="utf-8")}
+def _text_rows(path, sample_by):
+    """A .txt file as one row, (its path, {"text": its contents}), or with sample_by="paragraph" as
+    a row per paragraph, its text between blank lines (`datasets`' text builder splits on "\n\n")."""
+    text = Path(path).read_text(encoding="utf-8")
+    if sample_by == "document":
+        yield str(path), {"text": text}
+    else:
+        for i, paragraph in enumerate(text.split("\n\n")):
+            yield f"{path} paragraph {i + 1}", {"text": paragraph}
 
 
 def _json_rows(path):

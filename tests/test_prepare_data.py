@@ -163,8 +163,10 @@ def default_run(tmp_path_factory):
 def test_default_run_on_embedded_corpus(default_run):
     assert names(default_run) == ["tinyshakespeare_train_000001.bin", "tinyshakespeare_val_000000.bin"]
     val, train = split_stream(default_run, "val"), split_stream(default_run, "train")
-    expected = doc_tokens(TINYSHAKESPEARE_PATH.read_text(encoding="utf-8"))
-    assert 300_000 < len(expected) < 400_000
+    # a document a paragraph (a speech), as --sample_by=paragraph reads it
+    paragraphs = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8").split("\n\n")
+    expected = doc_tokens(*[p for p in paragraphs if p])
+    assert 300_000 < len(expected) < 400_000 and len(paragraphs) > 7000
     assert len(val) == int(0.1 * len(expected))
     assert val[0] == EOT_TOKEN
     assert np.concatenate([val, train]).tolist() == expected
@@ -173,8 +175,8 @@ def test_default_run_on_embedded_corpus(default_run):
 def test_manifest_lists_every_shard(default_run):
     manifest = check_manifest(default_run, "tinyshakespeare")
     assert [shard["file"] for shard in manifest["shards"]] == names(default_run)
-    # the val shard starts with <|endoftext|>, the train shard has none: their maxima differ
-    assert [shard["max_token_id"] for shard in manifest["shards"]] != [EOT_TOKEN, EOT_TOKEN]
+    # every speech starts with <|endoftext|>, the largest id of both shards
+    assert [shard["max_token_id"] for shard in manifest["shards"]] == [EOT_TOKEN, EOT_TOKEN]
     assert manifest["max_token_id"] == EOT_TOKEN
     assert set(manifest) == {"inputs", "options", "shards", "max_token_id"}
 
@@ -224,17 +226,21 @@ def test_txt_files_are_one_document_each(tmp_path):
 
 
 def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_path, monkeypatch):
-    """.txt input is read without `datasets`, and as its text builder with sample_by=document
-    reads it (the reference): UTF-8, universal newlines. json input is read without it too, and
-    parquet input without it is one line."""
+    """.txt input is read without `datasets`, and as its text builder with sample_by=document or
+    paragraph reads it (the reference): UTF-8, universal newlines. json input is read without it
+    too, and parquet input without it is one line."""
     from datasets import load_dataset
     path = tmp_path / "crlf.txt"
-    path.write_bytes("Hello\r\nworld\r\n\rÇa va 🤖\n".encode())
-    reference = [row["text"] for row in load_dataset("text", data_files=str(path), split="train",
-                                                     sample_by="document", streaming=True)]
+    path.write_bytes("Hello\r\nworld\r\n\rÇa va 🤖\n\n\nend".encode())
+    reference = {by: [row["text"] for row in load_dataset("text", data_files=str(path), split="train",
+                                                          sample_by=by, streaming=True)]
+                 for by in ("document", "paragraph")}
     monkeypatch.setitem(sys.modules, "datasets", None)
-    [(where, rows)] = prepare_data._sources(prepare_data._parse_args([]), [str(path)], "text")
-    assert [row["text"] for _, row in rows()] == reference == ["Hello\nworld\n\nÇa va 🤖\n"]
+    for by, texts in reference.items():
+        args = prepare_data._parse_args(["--input", str(path), f"--sample_by={by}"])
+        [(where, rows)] = prepare_data._sources(args, [str(path)], "text")
+        assert [row["text"] for _, row in rows()] == texts
+    assert reference["paragraph"] == ["Hello\nworld", "Ça va 🤖", "\nend"]
     (tmp_path / "a.jsonl").write_text('{"text": "hi there"}\n' * 10)
     run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
     assert split_stream(tmp_path / "out", "train").tolist() == doc_tokens(*["hi there"] * 10)[3:]
@@ -242,6 +248,8 @@ def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_p
     with pytest.raises(UserError, match=r"^parquet input needs the datasets package: "
                                         r"pip install datasets$"):
         run("--input", tmp_path / "a.parquet", "--output_dir", tmp_path / "out2")
+    with pytest.raises(UserError, match=r"^--sample_by=paragraph splits \.txt files, not .*a\.jsonl; leave it out$"):
+        run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out3", "--sample_by", "paragraph")
 
 
 def write_rows(path, rows):

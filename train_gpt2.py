@@ -58,7 +58,7 @@ from tqdm import tqdm
 from gpt2_ddp import (checkpoints, configurator, data_parallel, gpt2_weights, hellaswag, memory_plan,
                       precision)
 from gpt2_ddp.collectives import (STOP_SIGNALS, Stopped, agreed, all_reduce_max, catch_stop_signals,
-                                  machine_failure, torchrun_env, wait_for_master)
+                                  machine_failure, stopped_line, torchrun_env, wait_for_master)
 from gpt2_ddp.device import (check_torch_version, choose_device, keep_freed_cpu_memory,
                              make_deterministic)
 from gpt2_ddp.configurator import UserError
@@ -66,7 +66,7 @@ from gpt2_ddp.gpt2_weights import MODEL_KEYS
 from gpt2_ddp.metrics import Metrics, log
 from gpt2_ddp.muon import Chain, Muon
 from gpt2_ddp.sampling import KVCache
-from gpt2_ddp.shards import check_token_ids, read_shard_header, read_tokens, split_paths
+from gpt2_ddp.shards import DocumentRows, check_token_ids, pread_tokens, read_shard_header, split_paths
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 
 # -----------------------------------------------------------------------------
@@ -99,6 +99,7 @@ class Config:
     micro_batch_size: int = 64  # B, sequences per forward per process
     seq_len: int = 1024  # T, tokens per sequence
     total_batch_size: int = 524288  # tokens per optimizer step, 2**19 ~ 0.5M as in GPT-3 small
+    data_order: str = "sequential"  # build-nanogpt's; shuffled: each epoch new rows that start at a document
     # optimizer and schedule (linear warmup, cosine decay)
     optimizer: str = "adamw"  # adamw; muon: Muon for the blocks' matrices, AdamW for the rest
     max_steps: int = 19073  # optimizer steps: 10B tokens / 524288 tokens per step
@@ -170,6 +171,7 @@ CONFIG_RULES = {
     "optimizer": (("adamw", "muon"), "adamw or muon"),
     "dtype": (("auto", *precision.DTYPES), "auto, bfloat16, float16 or float32"),
     "resume": (("auto", "never"), "auto or never"),
+    "data_order": (("shuffled", "sequential"), "shuffled or sequential"),
 }
 
 
@@ -453,47 +455,65 @@ def build_model(config, device, pretrained_state=None):
 
 
 # -----------------------------------------------------------------------------
-# Data: memory-mapped token shards, micro-batches numbered globally across ranks
+# Data: token shards, micro-batches numbered globally across ranks
+
+def identity(st):
+    """What tells a shard's file from another or a rewrite of it: (inode, size, mtime) of os.stat's."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
 
 class DataLoader:
     """Yields (x, y) micro-batches of shape (B, T), int64, on `device`, from one split's shards.
-    The shards of a split, in name order, form one token stream. Global micro-batch g covers tokens
-    [g*B*T, g*B*T + B*T + 1) of it, wrapping at the end of an epoch. Each next_batch advances every
-    rank by world_size micro-batches and rank r gets g + r, so the data each step sees does not
-    depend on world_size. Shards are memory-mapped anew per batch (nanoGPT #287), each once seen to
-    be the file it was at the start (inode, size, mtime); `changed` names one that is not."""
+    The shards of a split, in name order, form one token stream. In the sequential order, global
+    micro-batch g covers tokens [g*B*T, g*B*T + B*T + 1) of it, wrapping at the end of an epoch. In
+    the shuffled order, it is rows g*B .. g*B + B - 1 of T + 1 tokens, each starting at a document's
+    <|endoftext|> (shards.DocumentRows), row r being row r % N of epoch r // N's permutation of the
+    N rows, drawn from (seed, epoch) alone. Each next_batch advances every rank by world_size
+    micro-batches and rank r gets g + r, so the data each step sees does not depend on world_size.
+    Each read checks that its shard is the file it was at the start (inode, size, mtime);
+    `changed` names one that is not."""
 
-    def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset=""):
+    def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset="", order="sequential",
+                 seed=0):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
         self.paths = split_paths(data_dir, split, dataset, required=True)
         sizes = [read_shard_header(p) for p in self.paths]
-        self.files, self.changed = [os.stat(p) for p in self.paths], None
+        self.files, self.opened, self.changed = [identity(os.stat(p)) for p in self.paths], {}, None
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token
         self.batches_per_epoch = (int(self.starts[-1]) - 1) // (B * T)
         if self.batches_per_epoch == 0:
             raise UserError(f"{split} split in {data_dir} has {self.starts[-1]} tokens, fewer than "
                              f"one micro-batch of B*T+1 = {B * T + 1}; lower micro_batch_size or seq_len")
+        self.order = order
+        self.rows = DocumentRows(self.paths, sizes, T + 1, EOT_TOKEN, derived_seed(seed, "data_order"),
+                                 f"{split} split in {data_dir}") if order == "shuffled" else None
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
 
     def read(self, start, n):
-        """Tokens [start, start + n) of the stream, crossing shard boundaries, as int64; zeros from
-        a shard that changed (replaced, rewritten, gone or unreadable), which `changed` names."""
+        """Tokens [start, start + n) of the stream, crossing shard boundaries, as an (n,) uint16 array.
+        A shard is read with pread, so nothing stays memory-mapped (nanoGPT #287), once seen to be
+        the file it was at the start; one that is not (replaced, rewritten, cut short, gone or
+        unreadable) gives zeros, and `changed` names it."""
         out = []
         while n > 0:
             i = int(np.searchsorted(self.starts, start, side="right")) - 1
-            offset = start - int(self.starts[i])
             take = min(n, int(self.starts[i + 1]) - start)
             try:
-                now, then = os.stat(self.paths[i]), self.files[i]
-                if any(getattr(now, k) != getattr(then, k) for k in ("st_ino", "st_size", "st_mtime_ns")):
+                if i not in self.opened:
+                    self.opened[i] = open(self.paths[i], "rb", buffering=0)
+                now = (os.stat(self.paths[i]), os.fstat(self.opened[i].fileno()))
+                if any(identity(st) != self.files[i] for st in now):
                     raise OSError(errno.ESTALE, "replaced or rewritten")
-                out.append(np.array(read_tokens(self.paths[i])[offset:offset + take], dtype=np.int64))
+                tokens = pread_tokens(self.opened[i], start - int(self.starts[i]), take)
+                if len(tokens) < take:
+                    raise OSError(errno.EIO, "cut short")
+                out.append(tokens)
             except OSError as e:  # every rank learns of it from the step's all-reduce
                 self.changed = self.changed or (
                     f"shard {self.paths[i]} changed while this run read it ({e.strerror}): the run "
                     f"stopped at its last step, saved, untrained on the change; restore the shard and "
                     f"rerun to resume, or rerun with --allow_new_data=true to go on in the new shards")
-                out.append(np.zeros(take, dtype=np.int64))
+                out.append(np.zeros(take, dtype=np.uint16))
             start, n = start + take, n - take
         return np.concatenate(out)
 
@@ -510,20 +530,25 @@ class DataLoader:
 
     def get_batch(self, g):
         """Global micro-batch g (wrapping at the end of the epoch) as (x, y)."""
-        g %= self.batches_per_epoch
-        buf = torch.from_numpy(self.read(g * self.B * self.T, self.B * self.T + 1))
-        x = buf[:-1].view(self.B, self.T)
-        y = buf[1:].view(self.B, self.T)
+        B, T = self.B, self.T
+        if self.order == "shuffled":
+            buf = np.stack([self.read(start, T + 1) for start in self.rows.starts(g * B, B)])
+            x, y = (torch.from_numpy(buf[:, i:i + T].astype(np.int64)) for i in (0, 1))
+        else:
+            buf = torch.from_numpy(self.read(g % self.batches_per_epoch * B * T, B * T + 1).astype(np.int64))
+            x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
         if self.device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
                 self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
 
     def state_dict(self):
-        """The position in the stream, in tokens, and the [name, tokens] of each shard it counts
-        in: a run resumed with another micro_batch_size (same seq_len) reads the same sequences in
-        each step."""
-        return {"tokens": self.batch_index * self.B * self.T,
+        """The position in the stream, in tokens, the [name, tokens] of each shard it counts in and
+        the order, with the shuffled order's epoch and row in it: a run resumed with another
+        micro_batch_size (same seq_len) reads the same sequences in each step."""
+        rows = self.batch_index * self.B
+        epoch = {} if self.rows is None else {"epoch": rows // len(self.rows), "row": rows % len(self.rows)}
+        return {"tokens": rows * self.T, "data_order": self.order, **epoch,
                 "shards": [[p.name, int(n)] for p, n in zip(self.paths, np.diff(self.starts))]}
 
     def load_state_dict(self, state):
@@ -614,8 +639,9 @@ def make_loaders(config, rank, world_size, device):
     tokenizer's shards) before the first step, not mid-run on the one rank that read it. A
     collective."""
     loaders = agreed(lambda: [
-        DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank,
-                   world_size, device, config.dataset) for split in ("train", "val")])
+        DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank, world_size,
+                   device, config.dataset, config.data_order if split == "train" else "sequential",
+                   config.seed) for split in ("train", "val")])
     fits = loaders[1].batches_per_epoch  # an evaluation that wrapped would count batches twice
     if config.eval_interval > 0 and config.val_batches > fits:
         raise UserError(f"val_batches={config.val_batches} is more than the val split holds: "
@@ -634,16 +660,11 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
     checkpoint). No RNG state is needed: every random draw after init is seeded from (seed, step).
     Returns (the step resumed at, whether its evaluations ran before it was saved): (0, False) for a
     fresh start; (None, None), with a line saying so, when the run is complete. Raises UserError, on
-    every rank and before anything loads, for a checkpoint of an older format or of another model
-    (its state's keys and shapes) or optimizer. A collective."""
+    every rank and before anything loads, for a checkpoint of another format (load_newest), model
+    (its state's keys and shapes), optimizer or data_order. A collective."""
     path, ckpt = checkpoints.load_newest(config.out_dir, log) if config.resume == "auto" else (None, None)
     if path is not None:
         new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
-        if (version := ckpt.get("version", "none")) != checkpoints.VERSION:
-            newer = isinstance(version, int) and version > checkpoints.VERSION
-            raise UserError(f"checkpoint {path} is of {'a newer' if newer else 'an older'} format "
-                            f"(version {version}) than this train_gpt2.py's ({checkpoints.VERSION}): "
-                            + ("update this repository (git pull) to resume it" if newer else new_run))
         saved, groups = ckpt["config"], [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]]
         if saved["optimizer"] != config.optimizer or groups != [
                 len(g["params"]) for g in optimizer.param_groups]:
@@ -658,6 +679,9 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
             raise UserError(f"checkpoint {path} is of another model: {problems}; to train this model, "
                             f"start a new run with --out_dir=NEW_DIR, or start over in {config.out_dir} "
                             f"with --resume=never --overwrite=true (deletes its checkpoints)")
+        if saved["data_order"] != config.data_order:
+            raise UserError(f"checkpoint {path} read its data in data_order={saved['data_order']}: "
+                            f"resume with --data_order={saved['data_order']}, or {new_run}")
         then, now = ckpt["loader"]["shards"], train_loader.state_dict()["shards"]
         if then != now and not config.allow_new_data:  # the saved position would point elsewhere
             was, is_now = next((a, b) for a, b in zip(then + [None], now + [None]) if a != b)
@@ -772,26 +796,6 @@ def save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loade
     path = agreed(lambda: out.save(step, state, config.keep_checkpoints), master_only=True)
     log(f"saved {path}")
     return step
-
-
-def stopped_line(signum, step, start_step):
-    """What a run stopped by signum at `step` says: the step saved, or that it made no update."""
-    if step > start_step:
-        return (f"stopped by {signum.name} after step {step}, which is saved; rerun the same command "
-                f"to resume")
-    return f"stopped by {signum.name} at step {step}, before this run's first update: nothing new to save"
-
-
-def diverged(step, skipped, loss, norm, last_saved, config):
-    """The UserError that ends a run whose loss or gradient norm was not finite for `skipped`
-    steps in a row up to `step`: what happened, and what to try."""
-    return UserError(
-        f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss "
-        f"{loss}, grad norm {norm}): the run diverged; those updates were skipped. Lower --max_lr "
-        f"(now {config.max_lr}) or look for bad data in those steps, and rerun to resume from the "
-        f"newest checkpoint " + (f"(step {last_saved}" if last_saved else "(none yet")
-        + f"), or move the newest out of {config.out_dir} to resume from before the divergence "
-        f"began")
 
 
 def derived_seed(*parts):
@@ -947,7 +951,7 @@ def train(config, rank, world_size, device):
         skipped = 0 if finite else skipped + (not overflow)
         metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer, scaler, not finite, overflow)
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
-            raise diverged(step + 1, skipped, loss_value, norm, last_saved, config)
+            raise precision.diverged(step + 1, skipped, loss_value, norm, last_saved, config)
         stop = stop > 0
     metrics.close()
     if dist.is_initialized():

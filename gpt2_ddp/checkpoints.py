@@ -25,7 +25,7 @@ except ImportError:
 
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
 # save()'s format; a resume refuses any other, init_from reads only the weights
-VERSION = 4
+VERSION = 5
 
 
 def path_of(out_dir, step):
@@ -330,7 +330,8 @@ def open_out_dir(config):
 
 def load_newest(out_dir, warn):
     """newest_loadable's (path, state) on every rank: rank 0 chooses, the others load that file.
-    Raises UserError on every rank when none loads or a rank cannot read rank 0's choice."""
+    Raises UserError on every rank when none loads, a rank cannot read rank 0's choice, or it is of
+    another format than VERSION, saying how to go on."""
     master_process = not dist.is_initialized() or dist.get_rank() == 0
     found = agreed(lambda: newest_loadable(out_dir, warn), master_only=True)
     box = [found[0] if master_process else None]
@@ -349,4 +350,11 @@ def load_newest(out_dir, warn):
             raise UserError(f"checkpoint {path} loads on rank 0 but not on this node ({e}): out_dir "
                             f"must be a directory that every node sees") from None
 
-    return path, agreed(load_here)
+    state = agreed(load_here)
+    if (version := state.get("version", "none")) != VERSION:
+        newer = isinstance(version, int) and version > VERSION
+        raise UserError(f"checkpoint {path} is of {'a newer' if newer else 'an older'} format (version "
+                        f"{version}) than this train_gpt2.py's ({VERSION}): " + (
+                            "update this repository (git pull) to resume it" if newer else
+                            f"start a new run from its weights with --out_dir=NEW_DIR --init_from={out_dir}"))
+    return path, state

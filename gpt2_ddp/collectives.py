@@ -133,3 +133,11 @@ def catch_stop_signals(device):
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
     return received
+
+
+def stopped_line(signum, step, start_step):
+    """What a run stopped by signum at `step` says: the step saved, or that it made no update."""
+    if step > start_step:
+        return (f"stopped by {signum.name} after step {step}, which is saved; rerun the same command "
+                f"to resume")
+    return f"stopped by {signum.name} at step {step}, before this run's first update: nothing new to save"

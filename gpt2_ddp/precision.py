@@ -77,3 +77,15 @@ def overflowed(scaler, loss, norm):
     overflow (the scaler then halves its scale); one at a scale under 1 is a divergence."""
     return (not math.isfinite(norm) and math.isfinite(loss) and scaler.is_enabled()
             and scaler.get_scale() >= 0.5)  # halved from 1 or more
+
+
+def diverged(step, skipped, loss, norm, last_saved, config):
+    """The UserError that ends a run whose loss or gradient norm was not finite for `skipped`
+    steps in a row up to `step`: what happened, and what to try."""
+    return UserError(
+        f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss "
+        f"{loss}, grad norm {norm}): the run diverged; those updates were skipped. Lower --max_lr "
+        f"(now {config.max_lr}) or look for bad data in those steps, and rerun to resume from the "
+        f"newest checkpoint " + (f"(step {last_saved}" if last_saved else "(none yet")
+        + f"), or move the newest out of {config.out_dir} to resume from before the divergence "
+        f"began")

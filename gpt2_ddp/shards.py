@@ -54,6 +54,12 @@ def read_tokens(path):
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4)
 
 
+def pread_tokens(f, start, n):
+    """Tokens [start, start + n) of the open shard file `f`, read with pread: an (n,) uint16 array,
+    shorter where the file ends before them."""
+    return np.frombuffer(os.pread(f.fileno(), 2 * n, HEADER_INTS * 4 + 2 * start), dtype="<u2")
+
+
 def read_shard_header(path):
     """Returns the token count (>= 1) of a .bin shard after checking that it is a readable file,
     that its header is llm.c's and that its size in bytes is the header's. Raises UserError for a
@@ -248,3 +254,73 @@ def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max)
             raise UserError(f"shard {path} holds token id {largest}, beyond vocab_size={vocab_size}: it "
                             f"was made with another tokenizer; remake it with prepare_data.py or raise "
                             f"vocab_size")
+
+
+def document_starts(path, token):
+    """The offsets in the shard `path` of its `token`s, where its documents start: a (D,) int64
+    array. Kept beside the shard in .{name}.docs.npy, which counts while the shard's size and mtime
+    are the ones it records; the first run to need it makes it, in memory alone if the directory
+    is read-only."""
+    path, st = Path(path), os.stat(path)
+    cache = path.with_name(f".{path.name}.docs.npy")
+    try:
+        saved = np.load(cache)
+        if saved[:2].tolist() == [st.st_size, st.st_mtime_ns]:
+            return saved[2:]
+    except (OSError, ValueError, EOFError, IndexError):
+        pass  # none yet, or not one of ours: made again
+    tokens, chunk = read_tokens(path), 1 << 24
+    starts = np.concatenate([[st.st_size, st.st_mtime_ns]] + [
+        np.flatnonzero(tokens[i:i + chunk] == token) + i for i in range(0, len(tokens), chunk)])
+    mine = cache.with_name(f"{cache.name}.{os.getpid()}")  # the ranks of a node may make it at once
+    try:
+        atomic_write(mine, lambda f: np.save(f, starts))
+        os.replace(mine, cache)
+    except OSError:
+        pass  # only a cache: the next run scans the shard again
+    return starts[2:]
+
+
+class DocumentRows:
+    """The shuffled order's rows of a split: len() of them an epoch, each row_tokens long and
+    starting at a document's `token` (document_starts), greedily: in each shard the first document
+    start, then the first at least row_tokens - 1 tokens after the last row's start, each row
+    fitting in its shard. The tokens between a row's end and the next row's start are cropped
+    (docs/data.md measures the share). Row r is row r % len() of epoch r // len()'s permutation,
+    drawn from (seed, epoch) alone; starts() gives its offset in the stream of the shards `paths`
+    of `sizes` tokens. Raises UserError, naming `split` ("train split in DIR"), where the shards
+    hold no such row."""
+
+    def __init__(self, paths, sizes, row_tokens, token, seed, split):
+        rows, offset = [], 0
+        for path, size in zip(paths, sizes):
+            docs = document_starts(path, token)
+            docs = docs[docs + row_tokens <= size]
+            following = np.searchsorted(docs, docs + row_tokens - 1).tolist()
+            chosen, i = [], 0
+            while i < len(docs):
+                chosen.append(i)
+                i = following[i]
+            rows.append(docs[chosen] + offset)
+            offset += size
+        self.rows, self.seed, self.epoch, self.order = np.concatenate(rows), seed, None, None
+        if len(self.rows) == 0:
+            raise UserError(f"the {split} holds no row of seq_len+1 = {row_tokens} tokens that starts at "
+                            f"an <|endoftext|> (a document start): pass --data_order=sequential")
+
+    def __len__(self):
+        return len(self.rows)
+
+    def starts(self, first, n):
+        """The stream offsets of rows first .. first + n - 1, counted from the first epoch's first row:
+        a (n,) int64 array."""
+        out = []
+        while n > 0:
+            epoch, i = divmod(first, len(self.rows))
+            if epoch != self.epoch:
+                rng = np.random.default_rng([self.seed, epoch])
+                self.epoch, self.order = epoch, rng.permutation(self.rows)
+            take = min(n, len(self.rows) - i)
+            out.append(self.order[i:i + take])
+            first, n = first + take, n - take
+        return np.concatenate(out)

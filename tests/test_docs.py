@@ -90,6 +90,8 @@ def test_every_flag_the_docs_name_exists(capsys):
     for path in sorted((ROOT / "scripts").glob("[a-z]*.py")):
         flags = flags_of(importlib.import_module(f"scripts.{path.stem}").main, capsys)
         takes[f"scripts.{path.stem}"] = flags | (config_keys if path.stem in PASS_ON else set())
+    for name in ("bench_data_order", "compare_data_orders"):  # the measurements that docs/ cite
+        takes[f"tests.{name}"] = flags_of(importlib.import_module(f"tests.{name}").main, capsys)
     anywhere = set().union(*takes.values(), OTHER_TOOLS)
     unknown = [f"{doc.name}: {flag}" for doc in DOCS
                for flag in re.findall(r"(?<![\w-])--[a-zA-Z][\w-]*", doc.read_text())

@@ -328,7 +328,7 @@ print(peak() - before)
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM is Linux's")
 def test_loader_host_memory_stays_flat_as_the_shard_grows(tmp_path):
-    """The loader memory-maps its shards anew per batch (nanoGPT #287): over a shard of 4e7 tokens
+    """The loader reads each micro-batch with pread (nanoGPT #287): over a shard of 4e7 tokens
     (76 MiB as uint16, 305 MiB as int64) a fresh process's peak RSS grows by well under a quarter
     of the shard, as over a shard of 1e6; a loader holding the shard in RAM would grow by all of it."""
     rng = np.random.default_rng(0)

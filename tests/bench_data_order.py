@@ -1,0 +1,75 @@
+"""
+The shuffled data order beside the sequential one on a data dir (docs/perf.md, docs/data.md): the
+one-time index of document starts, a loader's start-up, the memory its rows hold, the share of the
+train tokens an epoch reads, and the time per micro-batch. --tokens first writes that many tokens
+of synthetic documents there (lognormal lengths, each after an <|endoftext|>), once.
+
+    python -m tests.bench_data_order --data_dir /tmp/synthetic --tokens 1e9
+    python -m tests.bench_data_order --data_dir data/tinyshakespeare --micro_batch_size 8 --seq_len 64
+"""
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2_ddp.configurator import ArgumentParser, run
+from gpt2_ddp.shards import write_shard
+from gpt2_ddp.tokenizer import EOT_TOKEN
+from train_gpt2 import DataLoader
+
+SHARD_TOKENS = 100_000_000  # FineWeb-Edu's shards, as prepare_data.py writes them
+
+
+def write_documents(data_dir, tokens, mean_document):
+    """Writes a 1M-token val shard and train shards of SHARD_TOKENS up to `tokens`, where missing."""
+    rng = np.random.default_rng(0)
+    for i, n in enumerate([1_000_000] + [SHARD_TOKENS] * -(-tokens // SHARD_TOKENS)):
+        path = Path(data_dir) / f"synthetic_{'val' if i == 0 else 'train'}_{i:06d}.bin"
+        if not path.exists():
+            shard = rng.integers(0, EOT_TOKEN, n, dtype=np.uint16)
+            lengths = rng.lognormal(np.log(mean_document) - 0.5, 1.0, 4 * n // mean_document + 16)
+            starts = np.cumsum(np.maximum(lengths, 1).astype(np.int64))
+            shard[np.concatenate([[0], starts[starts < n]])] = EOT_TOKEN
+            write_shard(path, shard)
+
+
+def seconds(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def main(argv):
+    parser = ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--data_dir", required=True, type=Path)
+    parser.add_argument("--tokens", type=float, default=0, help="synthetic train tokens to write first")
+    parser.add_argument("--mean_document", type=int, default=1000, help="tokens, FineWeb-Edu's mean")
+    parser.add_argument("--micro_batch_size", type=int, default=64)
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--micro_batches", type=int, default=500, help="timed per order")
+    args = parser.parse_args(argv)
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    if args.tokens:
+        write_documents(args.data_dir, int(args.tokens), args.mean_document)
+    cpu, B, T = torch.device("cpu"), args.micro_batch_size, args.seq_len
+    for cache in args.data_dir.glob(".*.docs.npy"):
+        cache.unlink()  # the one-time index is timed from scratch
+    index_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order="shuffled"))[1]
+    print(f"| order | start-up (s) | index, once (s) | rows' memory (MB) | share read | ms/micro-batch |")
+    print("|---|---|---|---|---|---|")
+    for order in ("sequential", "shuffled"):
+        loader, start_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order=order))
+        tokens = int(loader.starts[-1])
+        share = len(loader.rows) * T / tokens if order == "shuffled" else 1.0  # rows never overlap
+        loader.next_batch()  # draws the first epoch's permutation
+        memory = 2 * loader.rows.rows.nbytes / 1e6 if order == "shuffled" else 0.0  # rows, permutation
+        batch_s = seconds(lambda: [loader.next_batch() for _ in range(args.micro_batches)])[1]
+        once = f"{index_s:.2f}" if order == "shuffled" else "-"
+        print(f"| {order} | {start_s:.2f} | {once} | {memory:.1f} | "
+              f"{share:.1%} of {tokens:,} | {1e3 * batch_s / args.micro_batches:.3f} |")
+
+
+if __name__ == "__main__":
+    run(main, "bench_data_order.py")

@@ -1,0 +1,153 @@
+"""data_order=shuffled: rows that start at a document, a new order each epoch drawn from (seed,
+epoch), the same micro-batches at any world size, micro_batch_size or sharding mode, resumed bit
+for bit."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY, markov_tokens, read_log, run_training
+from gpt2_ddp import runs
+from gpt2_ddp.shards import write_shard
+from gpt2_ddp.tokenizer import EOT_TOKEN
+from scripts.check_equivalence import compare
+from test_faults import children, wait_for_step
+from train_gpt2 import DataLoader
+
+T = 16
+STEPS = 24
+# the documents' tokens stay below TINY's 512, <|endoftext|> needs GPT-2's vocabulary
+RUN = [*TINY, "--vocab_size=50304", "--data_order=shuffled", "--total_batch_size=128",
+       f"--max_steps={STEPS}", "--eval_interval=8", "--checkpoint_interval=4", "--dropout=0.1",
+       "--exact_reduction=true"]
+
+
+def write_documents(data_dir, n_docs=300, seed=0, train_shards=2):
+    """Val and train shards of documents of 1 to 40 tokens, each after an <|endoftext|>; returns the
+    train stream."""
+    rng = np.random.default_rng(seed)
+    stream = np.concatenate([np.concatenate([[EOT_TOKEN], markov_tokens(rng, rng.integers(1, 41), 512)])
+                             for _ in range(n_docs)])
+    os.makedirs(data_dir, exist_ok=True)
+    write_shard(data_dir / "docs_val_000000.bin", stream[:1000])
+    for i, part in enumerate(np.array_split(stream[1000:], train_shards)):
+        write_shard(data_dir / f"docs_train_{i + 1:06d}.bin", part)
+    return stream[1000:]
+
+
+def shuffled(data_dir, B=1, rank=0, world_size=1, seed=0):
+    return DataLoader(data_dir, "train", B, T, rank, world_size, torch.device("cpu"), order="shuffled",
+                      seed=seed)
+
+
+def rows(loader, n):
+    """The first n micro-batches' x rows of `loader`, as tuples."""
+    return [tuple(row) for _ in range(n) for row in loader.next_batch()[0].tolist()]
+
+
+def test_each_epoch_is_a_new_order_of_the_same_rows_that_start_at_a_document(tmp_path):
+    stream = write_documents(tmp_path)
+    loader = shuffled(tmp_path)
+    n = len(loader.rows)  # with B=1 an epoch is n micro-batches
+    starts = sorted(loader.rows.starts(0, n))
+    assert all(stream[s] == EOT_TOKEN for s in starts)
+    for first, end in zip(loader.starts[:-1], loader.starts[1:]):  # rows do not cross shards
+        fit = [d for d in np.flatnonzero(stream == EOT_TOKEN) if first <= d and d + T + 1 <= end]
+        mine = [s for s in starts if first <= s < end]
+        assert mine[0] == fit[0] and mine[-1] + T + 1 <= end
+        for a, b in zip(mine, mine[1:]):  # the first document start that the row before leaves
+            assert b == next(d for d in fit if d >= a + T)
+    for g in range(2 * n):  # every row: T + 1 tokens of the stream from a document's start
+        x, y = loader.next_batch()
+        s = loader.rows.starts(g, 1)[0]
+        assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()
+        assert x[0, 0] == EOT_TOKEN
+    loader.batch_index = 0
+    first, second = rows(loader, n), rows(loader, n)
+    assert first != second and sorted(first) == sorted(second)
+    assert rows(shuffled(tmp_path), 2 * n) == first + second  # the same seed: the same order
+    assert rows(shuffled(tmp_path, seed=1), n) != first
+
+
+def test_world_size_and_micro_batch_size_do_not_change_what_a_step_reads(tmp_path):
+    write_documents(tmp_path)
+    one = rows(shuffled(tmp_path, B=2), 60)  # 60 micro-batches: more than an epoch
+    ranks = [shuffled(tmp_path, B=2, rank=r, world_size=2) for r in (0, 1)]
+    assert [row for _ in range(30) for loader in ranks for row in rows(loader, 1)] == one
+    assert rows(shuffled(tmp_path, B=4), 30) == one
+    resumed = shuffled(tmp_path, B=4)  # at another micro_batch_size, from a checkpoint's state
+    before = shuffled(tmp_path, B=2)
+    rows(before, 37)
+    state = before.state_dict()
+    assert (state["epoch"], state["row"]) == divmod(74, len(before.rows))
+    resumed.load_state_dict({**state, "tokens": 76 * T})
+    assert rows(resumed, 1) == one[76:80]
+
+
+@pytest.fixture(scope="module")
+def doc_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("doc_data")
+    write_documents(path, n_docs=600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def doc_runs(doc_data, tmp_path_factory):
+    """The RUN config trained at world sizes 1 and 2."""
+    out = tmp_path_factory.mktemp("doc_runs")
+    return compare([*RUN, f"--data_dir={doc_data}"], [1, 2], out), out
+
+
+def test_exact_mode_is_bitwise_the_same_run_at_world_sizes_1_and_2(doc_runs):
+    by_world_size, _ = doc_runs
+    assert by_world_size[2]["loss"] == by_world_size[1]["loss"]
+    assert by_world_size[2]["val_loss"] == by_world_size[1]["val_loss"]
+    assert by_world_size[2]["max_param_diff"] == 0.0
+
+
+def test_a_sigkilled_run_resumed_at_another_world_size_and_mode_is_the_same_run(doc_data, doc_runs,
+                                                                               tmp_path):
+    args = [*RUN, f"--data_dir={doc_data}", f"--out_dir={tmp_path}"]
+    proc = subprocess.Popen(runs.command(args, 2), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wait_for_step(tmp_path, 10, proc)
+    for pid in children(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.communicate()
+    assert "resumed from" in run_training([*args, "--sharding=zero2"]).stdout
+    steps, _ = read_log(tmp_path)
+    assert [s["loss"] for s in steps] == doc_runs[0][1]["loss"]
+
+
+@pytest.mark.parametrize("then, now", [("shuffled", "sequential"), ("sequential", "shuffled")])
+def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, tmp_path, then, now):
+    args = [*RUN, f"--data_dir={doc_data}", f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
+    run_training([*args, f"--data_order={then}"])
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, "--max_steps=2", f"--data_order={now}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr == (
+        f"train_gpt2.py: error: checkpoint {tmp_path}/ckpt_0000001.pt read its data in data_order={then}: "
+        f"resume with --data_order={then}, or start a new run from its weights with --out_dir=NEW_DIR "
+        f"--init_from={tmp_path}\n")
+
+
+def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
+                                                                                      monkeypatch):
+    from gpt2_ddp import shards
+    write_documents(tmp_path)
+    first = shuffled(tmp_path)
+    caches = sorted(p.name for p in tmp_path.glob(".*.docs.npy"))
+    assert caches == [".docs_train_000001.bin.docs.npy", ".docs_train_000002.bin.docs.npy"]
+    with monkeypatch.context() as patch:  # a start with the index reads no shard
+        patch.setattr(shards, "read_tokens", lambda path: pytest.fail(f"{path} scanned again"))
+        assert rows(shuffled(tmp_path), 50) == rows(first, 50)
+    write_documents(tmp_path, seed=1)  # new shards: their index is made again
+    stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
+    assert all(stream[s] == EOT_TOKEN for s in shuffled(tmp_path).rows.starts(0, 50))
+    assert rows(shuffled(tmp_path), 50) != rows(first, 50)

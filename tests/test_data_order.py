@@ -3,6 +3,7 @@ epoch), the same micro-batches at any world size, micro_batch_size or sharding m
 for bit."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from test_faults import children, wait_for_step
 from train_gpt2 import DataLoader
 
 T = 16
-STEPS = 24
+STEPS = 16
 # the documents' tokens stay below TINY's 512, <|endoftext|> needs GPT-2's vocabulary
 RUN = [*TINY, "--vocab_size=50304", "--data_order=shuffled", "--total_batch_size=128",
        f"--max_steps={STEPS}", "--eval_interval=8", "--checkpoint_interval=4", "--dropout=0.1",
@@ -126,16 +127,19 @@ def test_a_sigkilled_run_resumed_at_another_world_size_and_mode_is_the_same_run(
 
 
 @pytest.mark.parametrize("then, now", [("shuffled", "sequential"), ("sequential", "shuffled")])
-def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, tmp_path, then, now):
+def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_path, then, now):
     args = [*RUN, f"--data_dir={doc_data}", f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
-    run_training([*args, f"--data_order={then}"])
-    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, "--max_steps=2", f"--data_order={now}"],
-                          cwd=ROOT, capture_output=True, text=True)
+    if then == "shuffled":  # the shuffled runs' last checkpoint
+        shutil.copy(doc_runs[1] / "world_size_1" / f"ckpt_{STEPS:07d}.pt", tmp_path)
+    else:
+        run_training([*args, f"--data_order={then}"])
+    ckpt = sorted(tmp_path.glob("ckpt_*.pt"))[-1]
+    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, f"--max_steps={STEPS + 1}",
+                           f"--data_order={now}"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr == (
-        f"train_gpt2.py: error: checkpoint {tmp_path}/ckpt_0000001.pt read its data in data_order={then}: "
+        f"train_gpt2.py: error: checkpoint {ckpt} read its data in data_order={then}: "
         f"resume with --data_order={then}, or start a new run from its weights with --out_dir=NEW_DIR "
         f"--init_from={tmp_path}\n")
-
 
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
                                                                                       monkeypatch):

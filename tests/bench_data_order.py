@@ -57,7 +57,7 @@ def main(argv):
     for cache in args.data_dir.glob(".*.docs.npy"):
         cache.unlink()  # the one-time index is timed from scratch
     index_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order="shuffled"))[1]
-    print(f"| order | start-up (s) | index, once (s) | rows' memory (MB) | share read | ms/micro-batch |")
+    print("| order | start-up (s) | index, once (s) | rows' memory (MB) | share read | ms/micro-batch |")
     print("|---|---|---|---|---|---|")
     for order in ("sequential", "shuffled"):
         loader, start_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order=order))

@@ -666,11 +666,6 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
     if path is not None:
         new_run = f"start a new run from its weights with --out_dir=NEW_DIR --init_from={config.out_dir}"
         saved, groups = ckpt["config"], [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]]
-        if saved["optimizer"] != config.optimizer or groups != [
-                len(g["params"]) for g in optimizer.param_groups]:
-            raise UserError(f"checkpoint {path} was trained with optimizer={saved['optimizer']} and "
-                            f"parameter groups of {groups} tensors, which this run's optimizer cannot "
-                            f"continue: keep its optimizer, or {new_run}")
         diff = [f"{k}={saved[k]} in the checkpoint, {getattr(config, k)} in this run"
                 for k in MODEL_KEYS if saved[k] != getattr(config, k)]
         expected = meta_model(config).state_dict()
@@ -679,6 +674,11 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
             raise UserError(f"checkpoint {path} is of another model: {problems}; to train this model, "
                             f"start a new run with --out_dir=NEW_DIR, or start over in {config.out_dir} "
                             f"with --resume=never --overwrite=true (deletes its checkpoints)")
+        if saved["optimizer"] != config.optimizer or groups != [
+                len(g["params"]) for g in optimizer.param_groups]:
+            raise UserError(f"checkpoint {path} was trained with optimizer={saved['optimizer']} and "
+                            f"parameter groups of {groups} tensors, which this run's optimizer cannot "
+                            f"continue: keep its optimizer, or {new_run}")
         if saved["data_order"] != config.data_order:
             raise UserError(f"checkpoint {path} read its data in data_order={saved['data_order']}: "
                             f"resume with --data_order={saved['data_order']}, or {new_run}")

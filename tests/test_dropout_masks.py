@@ -1,0 +1,87 @@
+"""Dropout masks per micro-batch: train_gpt2.train() seeds each micro-batch's forward and backward
+from (seed, step, m), m the micro-batch's number within the step, counted across ranks.
+
+The equivalence tests cannot see a seed that leaves m out: every micro-batch of a step would then
+draw the same masks, at every world size alike, and world sizes 1, 2 and 4 would still train the
+same bits. These tests run train() in-process, without a process group (each rank then trains on
+its own micro-batches alone, which leaves the masks as they are), as rank 0 of world size 1 with 2
+micro-steps and as ranks 0 and 1 of world size 2 with 1, and record what each training forward drew.
+"""
+
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import TINY, make_shards, one_torch_thread
+import train_gpt2
+from gpt2_ddp.collectives import STOP_SIGNALS
+
+B, T = 2, 16  # TINY's micro-batch
+ARGS = [*TINY, "--dropout=0.1", "--exact_reduction=true", f"--total_batch_size={2 * B * T}",
+        "--max_steps=2", "--eval_interval=0", "--device=cpu"]
+
+
+def train_and_record(data_dir, out_dir, rank, world_size):
+    """Runs ARGS' 2 steps as `rank` of `world_size`; returns, per training forward in order, the seed
+    the loop gave torch's RNG before it (it decides SDPA's masks too) and the masks of every
+    nn.Dropout in it (where the output is 0), concatenated."""
+    config = train_gpt2.load_config([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out_dir}"])
+    records = []
+
+    def before_forward(module, args):
+        if isinstance(module, train_gpt2.GPT) and module.training:
+            records.append((torch.initial_seed(), []))
+
+    def after_forward(module, args, output):
+        if isinstance(module, nn.Dropout) and module.training:
+            records[-1][1].append((output == 0).flatten())
+
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    hooks = [nn.modules.module.register_module_forward_pre_hook(before_forward),
+             nn.modules.module.register_module_forward_hook(after_forward)]
+    try:
+        # the loop's RNG forks leave the process's RNG as it was, but build_model's seeding does not
+        with one_torch_thread(), torch.random.fork_rng():
+            assert train_gpt2.train(config, rank, world_size, torch.device("cpu")) == 0
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for signum, handler in handlers.items():  # train() leaves its stop handlers installed
+            signal.signal(signum, handler)
+    return [(seed, torch.cat(masks)) for seed, masks in records]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """{(world_size, rank): train_and_record's list} for rank 0 of 1 and ranks 0 and 1 of 2."""
+    root = tmp_path_factory.mktemp("dropout_masks")
+    make_shards(root / "data")
+    return {(w, r): train_and_record(root / "data", root / f"out_{w}_{r}", r, w)
+            for w, r in [(1, 0), (2, 0), (2, 1)]}
+
+
+def test_each_micro_batch_of_each_step_draws_its_own_masks(recorded):
+    """At world size 1 with 2 micro-steps, the 4 forwards of 2 steps (step 0 micro-batches 0, 1,
+    step 1 micro-batches 0, 1) run under 4 different seeds and draw 4 different sets of masks."""
+    forwards = recorded[1, 0]
+    assert len(forwards) == 4
+    names = [f"step {step} micro-batch {m}" for step in (0, 1) for m in (0, 1)]
+    for i, (_, mask) in enumerate(forwards):
+        assert 0.05 < mask.float().mean() < 0.15  # dropout 0.1 is on
+        for j in range(i):
+            assert not torch.equal(mask, forwards[j][1]), f"{names[j]} and {names[i]} share their masks"
+    assert len({seed for seed, _ in forwards}) == 4
+
+
+def test_a_micro_batch_draws_the_same_masks_at_any_world_size(recorded):
+    """Global micro-batch m of a step draws the same masks as rank 0 of world size 1 (micro-step m)
+    and as rank m of world size 2 (micro-step 0), in exact mode, at steps 0 and 1."""
+    for rank in (0, 1):
+        alone = recorded[1, 0][rank::2]  # micro-batch `rank` of steps 0 and 1
+        split = recorded[2, rank]
+        assert len(split) == 2
+        for step in (0, 1):
+            assert torch.equal(split[step][1], alone[step][1]), f"step {step} micro-batch {rank}: other masks"
+            assert split[step][0] == alone[step][0], f"step {step} micro-batch {rank}: other seeds"

@@ -922,13 +922,13 @@ def train(config, rank, world_size, device):
                 loss = loss / loss_divisor
                 with record_function("backward"):
                     scaler.scale(loss).backward()
-        # the loss summed over ranks, and whether any rank was asked to stop or met a changed shard,
+        # the loss summed over ranks, and how many ranks were asked to stop or met a changed shard,
         # in one all-reduce (setting an element takes the host's value without a sync)
         flags[0], flags[1] = len(stop_signals), train_loader.changed is not None
-        totals = torch.cat([loss_accum[None], flags])
+        loss_and_flags = torch.cat([loss_accum[None], flags])
         if dist.is_initialized():
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        loss_accum, stop, changed = totals
+            dist.all_reduce(loss_and_flags, op=dist.ReduceOp.SUM)
+        loss_accum, stops, changes = loss_and_flags
         with record_function("optimizer"):
             lr = get_lr(step, config)
             for group in optimizer.param_groups:
@@ -936,9 +936,9 @@ def train(config, rank, world_size, device):
             scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
             norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
             # the step's one host sync: a non-finite loss or norm skips the update, changing nothing
-            loss_value, stop, norm, changed = torch.stack(
-                [loss_accum / micro_batches_per_step, stop, norm, changed]).float().tolist()
-            if changed:  # every rank saves the weights of `step`, which no changed token reached
+            loss_value, stops, norm, changes = torch.stack(
+                [loss_accum / micro_batches_per_step, stops, norm, changes]).float().tolist()
+            if changes:  # every rank saves the weights of `step`, which no changed token reached
                 train_loader.batch_index -= micro_batches_per_step
                 save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, measure)
                 agreed(train_loader.raise_changed)
@@ -952,7 +952,7 @@ def train(config, rank, world_size, device):
         metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer, scaler, not finite, overflow)
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
             raise precision.diverged(step + 1, skipped, loss_value, norm, last_saved, config)
-        stop = stop > 0
+        stop = stops > 0
     metrics.close()
     if dist.is_initialized():
         dist.barrier()  # gloo aborts a rank that tears down while rank 0 still saves

@@ -1,4 +1,5 @@
-"""Shared helpers: the repo root on sys.path, tiny shards, and launching real training runs."""
+"""Shared helpers: the repo root on sys.path, tiny shards, launching real training runs, and a
+fork of the model with rotary position embeddings (RopeGPT)."""
 
 import contextlib
 import json
@@ -10,10 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import train_gpt2
 from gpt2_ddp import runs
 from gpt2_ddp.shards import write_shard
 from scripts.check_equivalence import compare
@@ -196,3 +201,87 @@ def hf_tiny(tmp_path_factory):
             p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+# --- a fork of the model: rotary position embeddings (RoPE) instead of learned ones ---------------
+
+def rotary(x, start, base=10000.0):
+    """x (B, nh, T, hs) at positions start..start+T-1 with RoPE (Su et al. 2021) applied: each pair
+    (i, i + hs/2) of a head's channels rotated by the angle position * base**(-2i/hs)."""
+    hs, T = x.size(-1), x.size(-2)
+    inv_freq = base ** (-torch.arange(0, hs, 2, device=x.device, dtype=torch.float32) / hs)
+    positions = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (T, hs/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class RopeAttention(train_gpt2.CausalSelfAttention):
+    """train_gpt2's attention with q and k rotated by their positions, which start at the cache's."""
+
+    def forward(self, x, cache=None, layer=0):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))  # (B, nh, T, hs)
+        start = 0 if cache is None else cache.pos  # GPT.forward advances pos after the blocks
+        q, k = rotary(q, start), rotary(k, start)
+        if cache is not None:
+            k, v = cache.store(layer, k, v)
+        dropout_p = self.dropout if self.training else 0.0
+        causal = True if T > 1 else False  # as train_gpt2's: SDPA takes no symbolic bool
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class RopeGPT(train_gpt2.GPT):
+    """The fork a researcher makes of train_gpt2.GPT: transformer.wpe deleted, RoPE on q and k in
+    every attention, nothing else changed (no parameter added, GPT's init and optimizer groups).
+    A subclass of whatever train_gpt2.GPT is, so it is the same fork on a repository already
+    forked."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if "wpe" in self.transformer:
+            del self.transformer.wpe
+        for block in self.transformer.h:
+            block.attn = RopeAttention(config)
+        if self.lm_head.weight.device.type != "meta":
+            self.apply(self._init_weights)  # GPT's init, the new attention modules included
+
+    def forward(self, idx, targets=None, cache=None):
+        """GPT.forward without the learned positions."""
+        B, T = idx.size()
+        start = 0 if cache is None else cache.pos
+        assert start + T <= self.config.block_size, f"positions up to {start + T} > block_size"
+        assert start == 0 or T == 1, "after a prefill the cache takes one token at a time"
+        x = self.transformer.drop(self.transformer.wte(idx))
+        for layer, block in enumerate(self.transformer.h):
+            if self.config.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, cache, layer)
+        x = self.transformer.ln_f(x)
+        if cache is not None:
+            cache.pos += T
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    def flops_per_token(self, T):
+        """GPT's formula, with N all the parameters: wpe, the lookup it leaves out, is gone."""
+        N = sum(p.numel() for p in self.parameters())
+        cfg = self.config
+        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+
+def rope_fork(monkeypatch):
+    """Makes train_gpt2 (train(), resume, the memory plan, from_pretrained) and scripts/sample.py
+    build RopeGPT wherever they build a GPT, until the test ends; returns RopeGPT."""
+    from scripts import sample
+    for module in (train_gpt2, sample):
+        monkeypatch.setattr(module, "GPT", RopeGPT)
+    return RopeGPT

@@ -719,17 +719,21 @@ def test_train_shards_that_changed_under_the_checkpoint_are_refused_unless_allow
 def test_a_checkpoint_of_another_architecture_is_one_line_naming_its_keys(good_run, tmp_path):
     """A model whose state keys or shapes differ from the checkpoint's without a config key to
     say so (a fork that swapped learned positions for RoPE, say) is refused in one line naming
-    the keys, before anything loads."""
+    the keys, before anything loads. The checkpoint's first key is renamed, whatever the model's
+    layout."""
     out, _ = copy_run(good_run, tmp_path)
+    renamed = []
 
-    def drop_positions(state):
-        state["model"]["transformer.rope.freqs"] = state["model"].pop("transformer.wpe.weight")
-    rewrite_checkpoint(out / "ckpt_0000004.pt", drop_positions)
+    def rename_a_key(state):
+        key = next(iter(state["model"]))
+        renamed.extend([key, f"{key}.renamed"])
+        state["model"][renamed[1]] = state["model"].pop(key)
+    rewrite_checkpoint(out / "ckpt_0000004.pt", rename_a_key)
     err = train_error(*SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}",
                       "--max_steps=6")
     assert err.startswith(f"train_gpt2.py: error: checkpoint {out}/ckpt_0000004.pt is of another "
-                          f"model: missing ['transformer.wpe.weight']; unexpected "
-                          f"['transformer.rope.freqs']; to train this model") and err.count("\n") == 1
+                          f"model: missing ['{renamed[0]}']; unexpected ['{renamed[1]}']; to train "
+                          f"this model") and err.count("\n") == 1
 
 
 # --- what changes under a run ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""scripts/sample.py: deterministic for a seed, streamed as drawn; scripts/plot.py: a PNG from
-real training logs."""
+"""scripts/sample.py: deterministic for a seed, streamed as drawn, from what a training run saved;
+scripts/plot.py: a PNG from real training logs."""
 
+import contextlib
 import io
 import json
 import signal
@@ -11,13 +12,32 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, ctrl_c_reaches
-from gpt2_ddp import runs
+import train_gpt2
+from conftest import ROOT, TINY, ctrl_c_reaches, make_shards
+from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
 from scripts import bench_sample, check_equivalence, hellaswag, plot, timeline
 from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The out_dir of a one-step training run (train_gpt2.main in this process) of a small model
+    with GPT-2's 50257 tokens, so that every prompt's tokens fit: its ckpt_0000001.pt is what
+    scripts/sample.py samples from, whatever layout train_gpt2.GPT has."""
+    root = tmp_path_factory.mktemp("trained")
+    make_shards(root / "data")
+    precision = torch.get_float32_matmul_precision()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert train_gpt2.main([*TINY, "--vocab_size=50257", "--block_size=64", "--total_batch_size=32",
+                                    "--max_steps=1", "--eval_interval=0", f"--data_dir={root / 'data'}",
+                                    f"--out_dir={root / 'out'}"]) == 0
+    finally:
+        torch.set_float32_matmul_precision(precision)  # main() sets it for the whole process
+    return root / "out"
 
 
 def draw(model, seed, out=None, **kwargs):
@@ -28,8 +48,8 @@ def draw(model, seed, out=None, **kwargs):
 
 
 @pytest.mark.compat
-def test_the_same_seed_gives_the_same_text(hf_tiny):
-    model = GPT.from_pretrained(hf_tiny)
+def test_the_same_seed_gives_the_same_text(trained):
+    model = GPT.from_pretrained(trained)
     assert draw(model, 1) == draw(model, 1)
     assert draw(model, 1) != draw(model, 2)
     assert draw(model, 1, top_k=0, temperature=0.7) == draw(model, 1, top_k=0, temperature=0.7)
@@ -37,21 +57,22 @@ def test_the_same_seed_gives_the_same_text(hf_tiny):
     assert len(draw(model, 3, max_new_tokens=5)) == 5
 
 
-def test_streamed_text_is_the_prompt_then_the_decoded_tokens(hf_tiny):
-    model = GPT.from_pretrained(hf_tiny)
+def test_streamed_text_is_the_prompt_then_the_decoded_tokens(trained):
+    model = GPT.from_pretrained(trained)
     out = io.StringIO()
     tokens = draw(model, 4, out)
     expected = "Hello, I'm" + gpt2_encoding().decode_bytes(tokens).decode("utf-8", errors="replace")
     assert out.getvalue() == expected + "\n"
 
 
-def test_the_script_prints_what_the_function_draws(hf_tiny):
-    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(hf_tiny), "--prompt", "Hello, I'm",
+def test_the_script_prints_what_the_function_draws(trained):
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(trained), "--prompt", "Hello, I'm",
                            "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == f"sampling from {hf_tiny}\n"  # stdout holds the samples alone
-    model = GPT.from_pretrained(hf_tiny)
+    # stdout holds the samples alone; the out_dir's newest checkpoint is named
+    assert proc.stderr == f"sampling from {checkpoints.path_of(trained, 1)}\n"
+    model = GPT.from_pretrained(trained)
     generator = torch.Generator().manual_seed(7)
     expected = io.StringIO()
     for i in (1, 2):
@@ -68,9 +89,9 @@ def test_a_bad_source_is_one_line(tmp_path):
                            f"nor a Hugging Face config.json\n")
 
 
-def test_a_device_this_torch_lacks_is_one_line(hf_tiny):
+def test_a_device_this_torch_lacks_is_one_line(trained):
     count = torch.cuda.device_count()  # 0 on a CPU-only torch
-    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(hf_tiny), f"--device=cuda:{count}"],
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(trained), f"--device=cuda:{count}"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr == (f"sample.py: error: --device=cuda:{count}: torch sees {count} CUDA device(s) "
@@ -85,9 +106,9 @@ def test_a_device_that_is_no_device_is_refused_before_any_work(main, options, tm
         main([str(tmp_path / "nowhere"), "--device=banana", *options])
 
 
-def test_a_seed_beyond_torchs_range_is_refused(hf_tiny, capsys):
+def test_a_seed_beyond_torchs_range_is_refused(trained, capsys):
     with pytest.raises(SystemExit):
-        sample_main([str(hf_tiny), "--seed", str(2**64)])
+        sample_main([str(trained), "--seed", str(2**64)])
     assert capsys.readouterr().err.endswith(f" error: --seed must be in [-2**63, 2**64), the range "
                                             f"torch seeds from; got {2**64}\n")
     with pytest.raises(UserError, match=rf"^--seed must be in \[0, 2\*\*63\), got {2**64}$"):
@@ -95,59 +116,60 @@ def test_a_seed_beyond_torchs_range_is_refused(hf_tiny, capsys):
 
 
 @pytest.mark.parametrize("temperature", ["inf", "nan", "0"])
-def test_a_temperature_not_finite_and_positive_is_refused(hf_tiny, temperature, capsys):
+def test_a_temperature_not_finite_and_positive_is_refused(trained, temperature, capsys):
     with pytest.raises(SystemExit):
-        sample_main([str(hf_tiny), "--temperature", temperature, "--max_new_tokens", "5"])
+        sample_main([str(trained), "--temperature", temperature, "--max_new_tokens", "5"])
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.endswith(" error: --temperature must be finite and > 0, --top_k >= 0, "
                                  "--num_samples >= 1, --max_new_tokens >= 0\n")
 
 
-def test_a_tiny_temperature_samples_the_likeliest_tokens(hf_tiny, capsys):
+def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):
     texts = []
     for options in (["--temperature", "1e-40"], ["--temperature", "1e-300"], ["--top_k", "1"]):
-        sample_main([str(hf_tiny), *options, "--max_new_tokens", "8", "--device", "cpu"])
+        sample_main([str(trained), *options, "--max_new_tokens", "8", "--device", "cpu"])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] == texts[2]
 
 
-def test_ctrl_c_while_sampling_is_one_line(hf_tiny):
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.sample", str(hf_tiny), "--max_new_tokens",
+def test_ctrl_c_while_sampling_is_one_line(trained):
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.sample", str(trained), "--max_new_tokens",
                              "1000000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches)
     assert proc.stdout.read(1)  # the prompt comes with the first token
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert (proc.returncode, err) == (130, f"sampling from {hf_tiny}\nsample.py: interrupted\n")
+    assert (proc.returncode, err) == (130, f"sampling from {checkpoints.path_of(trained, 1)}\n"
+                                           f"sample.py: interrupted\n")
 
 
-def test_an_empty_prompt_starts_from_endoftext(hf_tiny, tmp_path, capsys):
-    model = GPT.from_pretrained(hf_tiny)
+def test_an_empty_prompt_starts_from_endoftext(trained, tmp_path, capsys):
+    model = GPT.from_pretrained(trained)
     expected = io.StringIO()
     sample(model, gpt2_encoding(), "<|endoftext|>", 5, 1.0, 50, torch.Generator().manual_seed(1337),
            out=expected)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     for prompt in (["--prompt", ""], ["--prompt_file", str(empty)]):
-        sample_main([str(hf_tiny), *prompt, "--max_new_tokens", "5", "--device", "cpu"])
+        sample_main([str(trained), *prompt, "--max_new_tokens", "5", "--device", "cpu"])
         assert capsys.readouterr().out == expected.getvalue().removeprefix("<|endoftext|>")
 
 
-def test_a_top_k_above_the_vocabulary_samples_from_all_of_it(hf_tiny, capsys):
+def test_a_top_k_above_the_vocabulary_samples_from_all_of_it(trained, capsys):
     texts = []
     for top_k in ("100000", "0", "50"):
-        sample_main([str(hf_tiny), "--top_k", top_k, "--max_new_tokens", "5", "--device", "cpu"])
+        sample_main([str(trained), "--top_k", top_k, "--max_new_tokens", "5", "--device", "cpu"])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] != texts[2]
 
 
-def test_a_prompt_file_that_is_not_utf8_is_refused(hf_tiny, tmp_path):
+def test_a_prompt_file_that_is_not_utf8_is_refused(trained, tmp_path):
     path = tmp_path / "prompt.txt"
     path.write_bytes(b"caf\xe9")  # Latin-1
     with pytest.raises(UserError, match=f"--prompt_file {path} is not UTF-8 text \\(byte 3\\): "
                                         f"save it as UTF-8"):
-        sample_main([str(hf_tiny), "--prompt_file", str(path)])
+        sample_main([str(trained), "--prompt_file", str(path)])
 
 
 def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):

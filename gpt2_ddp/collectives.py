@@ -6,6 +6,7 @@ import re
 import signal
 import socket
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,14 +45,12 @@ def torchrun_env():
     """(launched, rank, local_rank, world_size) from torchrun's variables; without RANK, rank 0 of
     1. Raises UserError, in one line, for a value that is not a whole number, RANK or LOCAL_RANK not
     below WORLD_SIZE, or RANK set without MASTER_ADDR and MASTER_PORT."""
-    values = {}
-    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        raw = os.environ.get(name, default)
-        if not raw.isdecimal():
-            raise UserError(f"{name}={raw!r} is not a whole number; launch with torchrun, which sets "
-                            f"it, or unset it to run one process")
-        values[name] = int(raw)
-    rank, local_rank, world_size = values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for name, default in defaults.items():
+        if not os.environ.get(name, default).isdecimal():
+            raise UserError(f"{name}={os.environ[name]!r} is not a whole number; launch with torchrun, "
+                            f"which sets it, or unset it to run one process")
+    rank, local_rank, world_size = (int(os.environ.get(name, default)) for name, default in defaults.items())
     if max(rank, local_rank) >= world_size:
         raise UserError(f"RANK={rank} and LOCAL_RANK={local_rank} must be below WORLD_SIZE={world_size} "
                         f"(ranks count from 0); launch with torchrun --nproc_per_node=N, which sets them")
@@ -82,13 +81,21 @@ def wait_for_master(timeout_s):
 
 def machine_failure(e, rank, world_size, timeout_s):
     """The UserError for a collective's peer stopped, hung or gone (gloo's timeout or closed connection,
-    NCCL's DistError) or torch.compile without a working C++ compiler; None for another error."""
-    text = re.sub(r"^\[.*?\] ", "", (str(e).strip().splitlines() or [""])[0]).split(". ")[0]
+    NCCL's DistError) or torch.compile without a working C++ compiler; None for another error. A peer lost
+    in train()'s loop under torchrun with restarts left: the step after which it was lost and the checkpoint
+    that the restarted workers resume from (train()'s locals `step` and `last_saved`)."""
+    text = re.sub(r"^.*\] ", "", (str(e).strip().splitlines() or [""])[0]).split(". ")[0]  # after [file:line]
     if "InvalidCxxCompiler" in text:
         return UserError(f"torch.compile found no working C++ compiler ({text}): install one (g++), "
                          f"set CXX to one, or pass --compile=false")
     if not isinstance(e, dist.DistError) and not re.search(r"Timed out waiting|by peer", text):
         return None
+    loop = next((f.f_locals for f, _ in traceback.walk_tb(e.__traceback__) if "last_saved" in f.f_locals), {})
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    if loop and restarts[0] != restarts[1]:
+        return UserError(f"rank {rank}: a peer process was lost after step {loop['step']} ({text}); torchrun "
+                         f"restarts the workers, which resume from the last checkpoint "
+                         + (f"(step {loop['last_saved']})" if loop["last_saved"] else "(none yet: step 0)"))
     return UserError(f"rank {rank}: {f'rank {1 - rank}' if world_size == 2 else 'another rank'} stopped, "
                      f"hung or died ({text}): no answer within collective_timeout_s={timeout_s} s; its "
                      f"output says why. Rerun to resume, or raise --collective_timeout_s")
@@ -138,6 +145,5 @@ def catch_stop_signals(device):
 def stopped_line(signum, step, start_step):
     """What a run stopped by signum at `step` says: the step saved, or that it made no update."""
     if step > start_step:
-        return (f"stopped by {signum.name} after step {step}, which is saved; rerun the same command "
-                f"to resume")
+        return f"stopped by {signum.name} after step {step}, which is saved; rerun the same command to resume"
     return f"stopped by {signum.name} at step {step}, before this run's first update: nothing new to save"

@@ -77,17 +77,16 @@ def print_quietly(text, file=None):
 def run(main, script, interrupted="interrupted"):
     """Runs a command-line entry point, main(argv), and exits with what it returns. A UserError ends
     it with the one line `{script}: error: {message}` on stderr and exit status 1, Ctrl-C with
-    `{script}: {interrupted}` and 130. Under torchrun ranks but 0 wait RANK_ERROR_WAIT_S to be stopped
-    first; the line also goes to TORCHELASTIC_ERROR_FILE, torchrun's summary's root cause."""
+    `{script}: {interrupted}` and 130. Under torchrun a node's workers but LOCAL_RANK 0 wait RANK_ERROR_WAIT_S
+    to be stopped: one line a node, even one whose peers are gone; it also goes to TORCHELASTIC_ERROR_FILE."""
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
         line = f"{script}: error: {e}"
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # in the format of record's file, not a traceback
-            info = {"py_callstack": line, "timestamp": str(int(time.time()))}
-            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
-                json.dumps({"message": {"message": line, "extraInfo": info}}))
-        if os.environ.get("RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+            info = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": info}))
+        if os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the training loop's handler defers it
             time.sleep(RANK_ERROR_WAIT_S)
         sys.exit(line)

@@ -436,9 +436,11 @@ def meta_model(config):
 
 
 def memory_counts(config):
-    """memory_plan.count() of config's GPT and optimizer, built on the meta device."""
+    """memory_plan.count() of config's GPT and optimizer, built on the meta device, and "activations",
+    memory_plan.activation_bytes() of its GPT."""
     model = meta_model(config)
-    return memory_plan.count(model, model.configure_optimizers(config, "meta"))
+    counts = memory_plan.count(model, model.configure_optimizers(config, "meta"))
+    return counts | {"activations": memory_plan.activation_bytes(lambda: GPT(config), config)}
 
 
 def build_model(config, device, pretrained_state=None):

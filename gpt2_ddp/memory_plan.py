@@ -1,16 +1,20 @@
 """Memory per rank before anything runs (parameters, gradients, optimizer state, activations) by sharding
 mode, for a config, world size and device, and the largest micro-batch that fits (scripts/memory_plan.py).
-Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", section 4.1): 34*s*b*h bytes with 16-bit activations, 16 tensors of s*b*h elements
-plus two 1-byte dropout masks, less the 5*a*s^2*b attention matrix that flash attention does not store.
-Here the two LayerNorm inputs are the float32 residual stream: 14 tensors at the activation width
-(2 bytes under bfloat16 or float16 autocast, 4 in float32) and 2 at 4 bytes."""
+Parameters, gradients and optimizer state are counted on the model and optimizer as built; activations
+are measured on the model itself: the peak of the tensors that its forward and backward keep alive,
+run under FakeTensorMode (tensors with shapes and no data) on the CPU's kernels and autocast."""
 
 import dataclasses
+import gc
+import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from gpt2_ddp import precision
 from gpt2_ddp.configurator import UserError
 
 GB = 2**30
@@ -33,6 +37,53 @@ def count(model, optimizer):
             "block": sum(p.numel() for p in model.transformer.h[0].parameters())}
 
 
+class LiveBytes(TorchDispatchMode):
+    """`trace`: the bytes that the storages of the tensors made under it hold, after each storage is
+    made or freed (a storage lives while any tensor views it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.views, self.trace = {}, [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key, size = t.untyped_storage()._cdata, t.untyped_storage().nbytes()
+                self.count(key, size, 1)
+                weakref.finalize(t, self.count, key, size, -1)
+        return out
+
+    def count(self, key, size, views):
+        self.views[key] = self.views.get(key, 0) + views
+        if self.views[key] == (1 if views > 0 else 0):  # its first view made, or its last freed
+            self.trace.append(self.trace[-1] + views * size)
+
+
+def activation_bytes(build, config):
+    """Bytes per sequence of seq_len tokens that a training step holds beyond what does not grow with
+    the micro-batch (parameters, gradients, autocast's weight copies): one forward and backward of
+    build()'s model in train mode and config.dtype's autocast, traced by LiveBytes at micro-batch 1
+    and 2 (the same operations), the largest difference. FakeTensorMode runs it on the CPU's kernels
+    with no memory or arithmetic; their attention keeps (B, nh, T, T) for dropout > 0, flash does not."""
+    def trace(micro_batch_size):
+        with FakeTensorMode(), torch.device("cpu"):
+            model = build().train()
+            idx = torch.zeros(micro_batch_size, config.seq_len, dtype=torch.long)
+            with LiveBytes() as live, precision.autocast(config.dtype, torch.device("cpu")):
+                _, loss = model(idx, idx)
+                loss.backward()
+        return live.trace
+
+    gc.disable()  # tensors freed by reference counts alone, at the same operation in both passes
+    traces = [trace(1), trace(2)]
+    if len(traces[0]) != len(traces[1]):  # a first use in this process (checkpointing's) skips some
+        traces[0] = trace(1)
+    gc.enable()
+    assert len(traces[0]) == len(traces[1]), "the two micro-batch sizes ran different operations"
+    return max(two - one for one, two in zip(*traces))
+
+
 def extra_copies(config, world_size):
     """(parameter, gradient) copies a sharding mode keeps besides the model's own, in units of the
     whole model: zero2's slices of both; DDP's gradient buckets unless gradient_as_bucket_view."""
@@ -45,15 +96,14 @@ def extra_copies(config, world_size):
 
 def plan(config, world_size, counts):
     """{part: bytes} per rank of a training step of `config` (dtype bfloat16, float16 or float32) on
-    `world_size` ranks, `counts` from count(), its last entry "total" their sum. With W = world_size:
+    `world_size` ranks, `counts` from train_gpt2.memory_counts() of a config with the same dtype,
+    seq_len, dropout and activation_checkpointing; its last entry "total" their sum. With W = world_size:
       parameters: /W in fsdp, plus zero2's slices, plus in 16 bits the copies kept for the backward
         (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
       gradients: as the parameters plus extra_copies; exact_reduction's float64 sums twice that;
-      optimizer state: /W in zero2 and fsdp; activations: one micro-batch's; logits: (B, T, vocab)."""
+      optimizer state: /W in zero2 and fsdp; activations: one micro-batch's (activation_bytes)."""
     W, P = world_size, counts["param_bytes"]
-    s, b, h = config.seq_len, config.micro_batch_size, config.n_embd
     half = config.dtype != "float32"
-    e = 2 if half else 4  # bytes per activation element
     fsdp = config.sharding == "fsdp"
     shard = W if fsdp else 1
     param_copies, grad_copies = extra_copies(config, W)
@@ -62,14 +112,7 @@ def plan(config, world_size, counts):
         parts["parameters"] += 2 * (counts["root"] + 2 * counts["block"] if fsdp else counts["matmul"])
     parts["gradients"] = P / shard + P * grad_copies + (2 * P / shard if config.exact_reduction else 0)
     parts["optimizer state"] = counts["optimizer_bytes"] / (1 if config.sharding == "ddp" else W)
-    sbh = s * b * h
-    masks = 2 if config.dropout > 0 else 0
-    layer = sbh * (14 * e + 2 * 4 + masks)
-    blocks = config.n_layer * layer
-    if config.activation_checkpointing:  # the blocks' float32 inputs, and one block recomputed
-        blocks = config.n_layer * 4 * sbh + layer
-    parts["activations"] = blocks + sbh * (4 + e + (1 if config.dropout > 0 else 0))  # ln_f, drop
-    parts["logits"] = s * b * config.vocab_size * ((e + 4 + 4) if half else 8)  # (16-bit), fp32, log-softmax
+    parts["activations"] = config.micro_batch_size * counts["activations"]
     parts["total"] = sum(parts.values())
     return parts
 
@@ -78,9 +121,8 @@ def max_micro_batch(config, world_size, counts, memory_bytes, usable=0.9):
     """The largest micro_batch_size whose planned total fits usable * memory_bytes (the rest is for
     the CUDA context, fragmentation and kernel workspaces); 0 if not even one sequence fits."""
     one = plan(dataclasses.replace(config, micro_batch_size=1), world_size, counts)
-    per_sequence = one["activations"] + one["logits"]
-    room = usable * memory_bytes - (one["total"] - per_sequence)
-    return max(0, int(room // per_sequence))
+    room = usable * memory_bytes - (one["total"] - counts["activations"])
+    return max(0, int(room // counts["activations"]))
 
 
 def available_bytes(device):

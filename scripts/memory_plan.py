@@ -32,9 +32,10 @@ def main(argv):
     config = load_config(config_args)
     if config.dtype == "auto":
         config = dataclasses.replace(config, dtype="bfloat16")
-    counts = memory_counts(config)
-    parts = memory_plan.plan(config, args.world_size, counts)
-    print(f"{config.n_layer} layers, n_embd {config.n_embd}: {counts['params'] / 1e6:.0f}M "
+    counts = {ckpt: memory_counts(dataclasses.replace(config, activation_checkpointing=ckpt))
+              for ckpt in (False, True)}  # activations are measured with and without it
+    parts = memory_plan.plan(config, args.world_size, counts[config.activation_checkpointing])
+    print(f"{config.n_layer} layers, n_embd {config.n_embd}: {counts[False]['params'] / 1e6:.0f}M "
           f"parameters; {args.world_size} ranks, {config.dtype}, micro_batch_size "
           f"{config.micro_batch_size}, seq_len {config.seq_len}")
     unit, scale = ("GB", GB) if parts["total"] >= GB else ("MB", 2**20)
@@ -46,7 +47,7 @@ def main(argv):
     for sharding in SHARDINGS:
         fits = [memory_plan.max_micro_batch(
             dataclasses.replace(config, sharding=sharding, activation_checkpointing=ckpt),
-            args.world_size, counts, args.gpu_memory * GB) for ckpt in (False, True)]
+            args.world_size, counts[ckpt], args.gpu_memory * GB) for ckpt in (False, True)]
         print(f"{sharding:<10}{fits[0]:>8}{fits[1]:>8}")
 
 

@@ -63,8 +63,8 @@ class LiveBytes(TorchDispatchMode):
 def activation_bytes(build, config):
     """Bytes per sequence of seq_len tokens that a training step holds beyond what does not grow with
     the micro-batch (parameters, gradients, autocast's weight copies): one forward and backward of
-    build()'s model in train mode and config.dtype's autocast, traced by LiveBytes at micro-batch 1
-    and 2 (the same operations), the largest difference. FakeTensorMode runs it on the CPU's kernels
+    build()'s model in train mode and config.dtype's autocast, traced by LiveBytes at micro-batch 2
+    and 3 (the same operations), the largest difference. FakeTensorMode runs it on the CPU's kernels
     with no memory or arithmetic; their attention keeps (B, nh, T, T) for dropout > 0, flash does not."""
     def trace(micro_batch_size):
         with FakeTensorMode(), torch.device("cpu"):
@@ -76,9 +76,9 @@ def activation_bytes(build, config):
         return live.trace
 
     gc.disable()  # tensors freed by reference counts alone, at the same operation in both passes
-    traces = [trace(1), trace(2)]
-    if len(traces[0]) != len(traces[1]):  # a first use in this process (checkpointing's) skips some
-        traces[0] = trace(1)
+    traces = [trace(2), trace(3)]  # not 1: a batch of one takes other paths (dropout's, say)
+    if len(traces[0]) != len(traces[1]):  # the first pass in a process skips some one-time work
+        traces[0] = trace(2)
     gc.enable()
     assert len(traces[0]) == len(traces[1]), "the two micro-batch sizes ran different operations"
     return max(two - one for one, two in zip(*traces))

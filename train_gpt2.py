@@ -323,8 +323,11 @@ class GPT(nn.Module):
 
     def flops_per_token(self, T):
         """Training FLOPs per token at sequence length T (PaLM, appendix B, as nanoGPT): 6N for the
-        matmuls, N the parameters but wpe (a lookup), plus 12 * n_layer * n_embd * T for attention."""
-        N = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        matmuls, N the parameters but the lookups that no matmul shares (wpe), plus 12 * n_layer *
+        n_embd * T for attention."""
+        N = sum(p.numel() for p in self.parameters()) - sum(m.weight.numel() for m in self.modules()
+                                                            if isinstance(m, nn.Embedding)
+                                                            and m.weight is not self.lm_head.weight)
         cfg = self.config
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 

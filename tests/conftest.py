@@ -271,12 +271,6 @@ class RopeGPT(train_gpt2.GPT):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
 
-    def flops_per_token(self, T):
-        """GPT's formula, with N all the parameters: wpe, the lookup it leaves out, is gone."""
-        N = sum(p.numel() for p in self.parameters())
-        cfg = self.config
-        return 6 * N + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
-
 
 def rope_fork(monkeypatch):
     """Makes train_gpt2 (train(), resume, the memory plan, from_pretrained) and scripts/sample.py

@@ -6,19 +6,17 @@ Tokenize text with GPT-2's BPE tokenizer into .bin token shards for training (do
     python prepare_data.py --input corpus.jsonl --text_field content
     python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset_config sample-10BT
 
-A .txt file is one document, or one a paragraph with --sample_by=paragraph (the embedded corpus's
-default: its paragraphs are speeches); .jsonl/.json and .parquet files hold one a row; a hub dataset
-is streamed.
+A .txt file is one document, or one a paragraph with --sample_by=paragraph (the embedded corpus's default:
+its paragraphs are speeches); .jsonl/.json and .parquet files hold one a row; a hub dataset is streamed.
 
 Each document is preceded by <|endoftext|> (50256), as in GPT-2's training data. The first tokens
 form the val split, the rest train, never in one shard. Shards, in llm.c's .bin format, are named
 {name}_{split}_{index:06d}.bin, one index across the splits, val first, as in build-nanogpt.
 
-{name}_manifest.json, beside the shards, holds "inputs" (per file [absolute path, bytes, mtime in
-ns], or [dataset, config, split]), "options" (those that change the shards), "shards" (in file-name
-order, {"file", "bytes", "mtime_ns", "tokens", "max_token_id"}) and the overall "max_token_id". A
-rerun with the recorded inputs and options has nothing to do while the listed shards are there at
-their listed sizes, and makes them again when not.
+{name}_manifest.json, beside the shards, holds "inputs" (per file [absolute path, bytes, mtime in ns], or
+[dataset, config, split]), "options" (those that change the shards), "shards" (in file-name order, {"file",
+"bytes", "mtime_ns", "tokens", "max_token_id"}) and the overall "max_token_id". A rerun of the same inputs
+and options does nothing while the shards are there at their listed sizes, else makes them again.
 """
 
 import argparse
@@ -60,10 +58,9 @@ PART_END = re.compile(r"(?<=\S)[ \t\n\r]")
 
 
 def _parts(sources, field):
-    """Yields (part, first) for every non-empty document of the (where, rows()) sources: the text, or
-    for one over PART_CHARS characters its consecutive parts, cut at PART_END; first is True for a
-    document's first part. Raises UserError naming the file that vanished, or the file and row (line,
-    for json) unreadable, without text in `field`, or with PART_CHARS // 2 characters and no cut."""
+    """Yields (part, first) of each non-empty document of the _sources(): the text, or past PART_CHARS
+    characters its parts cut at PART_END; first marks a first part. Raises UserError naming a vanished file,
+    or a row unreadable, without a `field` string, or with no cut in PART_CHARS // 2 characters."""
     for where, rows in sources:
         try:
             for name, row in rows():
@@ -105,9 +102,8 @@ def _batches(parts, docs_per_task):
 
 
 def _tokenized(parts, workers, docs_per_task=256):
-    """Yields (tokens, bytes) for each batch of the (part, first) `parts`, in input order: the batch's
-    token array (<|endoftext|> before each document) and how many UTF-8 bytes of text it holds.
-    Raises UserError when a worker process dies (killed for memory, say)."""
+    """Yields _tokenize_parts(batch) for each batch of the (part, first) `parts`, in input order. Raises
+    UserError when a worker process dies (killed for memory, say)."""
     batches = _batches(parts, docs_per_task)
     if workers == 1:
         yield from map(_tokenize_parts, batches)
@@ -259,9 +255,8 @@ def _parse_args(argv):
 
 
 def _expand_inputs(patterns):
-    """Sorted matches of each path or glob, and the reader of their extension (READERS). Raises
-    UserError for a pattern that matches nothing, a match that is not a readable file, a file
-    matched twice, and extensions that are not one of READERS'."""
+    """Each path or glob's sorted matches, and their extension's READERS kind. Raises UserError for a
+    pattern matching nothing, a match not a readable file, a file matched twice, or mixed or unknown ones."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
@@ -284,8 +279,7 @@ def _expand_inputs(patterns):
             raise UserError(f"input {f} is matched more than once{also}, so its documents would be "
                             f"in the data twice; pass each file once")
     extensions = sorted({Path(f).suffix.lower() for f in files})
-    unsupported = [e or "(none)" for e in extensions if e not in READERS]
-    if unsupported:
+    if unsupported := [e or "(none)" for e in extensions if e not in READERS]:
         raise UserError(f"unsupported file extension {', '.join(unsupported)}; "
                         f"supported: {', '.join(READERS)}")
     if len(extensions) > 1:
@@ -298,8 +292,7 @@ def _drop_bad_utf8(files, skip):
     good = []
     for f in files:
         try:
-            # the text builder holds a whole file in memory as one document anyway
-            Path(f).read_bytes().decode("utf-8")
+            Path(f).read_bytes().decode("utf-8")  # all at once, as the text builder reads it anyway
         except UnicodeDecodeError as e:
             problem = f"{f} is not valid UTF-8 (first bad byte at offset {e.start})"
             if not skip:
@@ -336,11 +329,9 @@ def main(argv=None):
 
         sources = _sources(args, files, reader)
         for _, rows in sources:
-            first = next(rows(), None)
-            if first is not None:
+            if (first := next(rows(), None)) is not None:
                 _text(*first, args.text_field)
-        # shards and manifest are made in a staging dir (this run's alone, under the lock) and committed
-        staging = out_dir / ".partial"
+        staging = out_dir / ".partial"  # this run's alone (under the lock): made here, then committed
         if staging.is_symlink() or staging.is_file():
             staging.unlink()
         elif staging.exists():
@@ -398,10 +389,9 @@ def _locked(out_dir):
 
 
 def _finish_commit(out_dir, name):
-    """Puts the shards of {out_dir}/.{name}.commit, a finished run's, in place of out_dir's shards of
-    `name`, then its manifest, and removes it; safe to repeat, so the next run on out_dir finishes
-    what a killed run began. Removed: the files its old manifest lists with names ending in .bin, and
-    any shards.shard_name reads as one of `name` (llm.c's too, or any a lost manifest misses)."""
+    """Replaces out_dir's shards of `name` (the .bin files its manifest lists, and any shards.shard_name
+    reads as `name`'s, llm.c's too) with a finished run's in {out_dir}/.{name}.commit, manifest last, and
+    removes that. Safe to repeat: the next run on out_dir finishes what a killed run began."""
     commit, manifest_path = out_dir / f".{name}.commit", out_dir / f"{name}_manifest.json"
     new = read_json(commit / manifest_path.name, lambda m: {e["file"] for e in m["shards"]})
     if new is not None:  # else the manifest, moved in last, is in place
@@ -454,8 +444,7 @@ def _sources(args, files, reader):
     except ImportError:
         raise UserError(f"{'--dataset' if args.dataset else 'parquet input'} needs the "
                         f"datasets package: pip install datasets") from None
-    # _read_error() reports parse errors and an unreachable hub in one line, which the loggers of
-    # datasets and huggingface_hub (a warning per retry) would repeat
+    # _read_error() says parse errors and an unreachable hub in one line, which the loggers would repeat
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()
     if args.dataset:
@@ -521,8 +510,7 @@ def _json_value(data, name, fix):
 
 
 def _dataset_rows(where, dataset):
-    """A `datasets` dataset's rows as (name, row) pairs, named '{where} row {n}' from 1. Raises
-    UserError for one that fails to parse."""
+    """A `datasets` dataset's (f"{where} row {n}", row) pairs, n from 1. Raises UserError on a bad one."""
     try:
         for number, row in enumerate(dataset, 1):
             yield f"{where} row {number}", row
@@ -551,8 +539,7 @@ def _write_shards(args, sources, what, name, staging):
                             f"tokens, and training needs a val split; raise --val_fraction or pass "
                             f"--val_tokens N")
 
-    writer = _ShardWriter(staging, name, args.shard_size)
-    val_left = val_tokens
+    writer, val_left = _ShardWriter(staging, name, args.shard_size), val_tokens
     with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:
         for tokens, _ in _tokenized(_parts(sources, args.text_field), args.workers):
             bar.update(len(tokens))

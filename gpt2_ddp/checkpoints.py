@@ -1,8 +1,6 @@
-"""
-train_gpt2.py's out_dir: the lock that keeps one run in it, and checkpoints written atomically with
+"""train_gpt2.py's out_dir: the lock that keeps one run in it, and checkpoints written atomically with
 a checksum, loaded newest first past damaged ones, and pruned sparing the one resumed from.
-open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on any rank alone.
-"""
+open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on any rank alone."""
 
 import errno
 import hashlib
@@ -24,8 +22,7 @@ except ImportError:
     fcntl = None
 
 KEYS = ("model", "optimizer", "config", "step", "loader")  # what every checkpoint of ours holds
-# save()'s format; a resume refuses any other, init_from reads only the weights
-VERSION = 5
+VERSION = 5  # save()'s format; a resume refuses any other, init_from reads only the weights
 
 
 def path_of(out_dir, step):
@@ -80,8 +77,7 @@ def lock(out_dir):
             print(f"warning: cannot lock out_dir {out_dir} ({e.strerror}): nothing stops a second "
                   f"run from using it", flush=True)
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+    print(f"pid {os.getpid()} on {socket.gethostname()}", file=f, flush=True)
     return f
 
 
@@ -121,15 +117,13 @@ def map_tensors(fn, obj):
 
 
 def save(path, state):
-    """Writes state (a dict of KEYS, "scaler" and "evaluated"), its format VERSION and its sha256
-    to `path` atomically. Raises UserError, writing nothing and keeping every older checkpoint,
-    when a float in state is not finite (the run diverged) or the write fails (disk full,
-    permissions)."""
+    """Writes state (a dict of KEYS, "scaler" and "evaluated"), its format VERSION and its sha256 to `path`
+    atomically. Raises UserError, writing nothing and keeping every older checkpoint, when a float in state
+    is not finite (the run diverged) or the write fails (disk full, permissions)."""
     found, floats = [], {}  # floats by device: one host sync per device, not per tensor
     map_tensors(found.append, state)
-    for t in found:
-        if t.is_floating_point():
-            floats.setdefault(t.device, []).append(torch.isfinite(t).all())
+    for t in filter(torch.is_floating_point, found):
+        floats.setdefault(t.device, []).append(torch.isfinite(t).all())
     if not all(bool(torch.stack(flags).all()) for flags in floats.values()):
         raise UserError(f"the weights or optimizer state hold non-finite values at step "
                         f"{state['step']}, so {path} was not saved and the last checkpoint is "
@@ -150,9 +144,8 @@ def save(path, state):
 
 
 def resolve(source):
-    """The checkpoint file that `source` names: itself, or an out_dir's newest (listed()); None for
-    a Hugging Face directory (it holds config.json) or what is no path (a hub name). Raises
-    UserError for a directory holding neither."""
+    """The checkpoint that `source` names: itself, or an out_dir's newest (listed()); None for a Hugging Face
+    directory (with config.json) or no path (a hub name). Raises UserError for a directory holding neither."""
     path = Path(source)
     if path.is_dir() and not (path / "config.json").exists():
         found = listed(path)
@@ -195,9 +188,8 @@ def newest_loadable(out_dir, warn):
     """The newest checkpoint of out_dir that loads, as (path, state), or (None, None) if there is
     none. Each newer one that fails is named in warn() and renamed {name}.damaged (.damaged2...).
     Raises UserError, renaming nothing, when checkpoints exist but none loads."""
-    paths = listed(out_dir)
     damaged = []
-    for path in reversed(paths):
+    for path in reversed(listed(out_dir)):
         try:
             state = load(path)
         except Unloadable as e:
@@ -229,8 +221,7 @@ class OutDir:
     def __init__(self, path):
         self.path = Path(path)
         self.lock = lock(self.path)
-        self.log_path = self.path / "log.jsonl"
-        self.old_log = self.path / "log.jsonl.old"
+        self.log_path, self.old_log = self.path / "log.jsonl", self.path / "log.jsonl.old"
         self.overwrite = None  # with overwrite: the old checkpoints, deleted at the first save
         self.protected = set()
 
@@ -316,9 +307,8 @@ class OutDir:
 
 
 def open_out_dir(config):
-    """Rank 0's OutDir of config.out_dir (a second run on the same out_dir stops here), and the
-    checkpoints out_dir holds. Raises UserError, on every rank, when resume=never would overwrite
-    them without overwrite=true. A collective."""
+    """A collective: rank 0's OutDir of config.out_dir (a second run on it stops here) and the checkpoints
+    there. Raises UserError on every rank when resume=never would overwrite them without overwrite=true."""
     out = agreed(lambda: OutDir(config.out_dir), master_only=True)
     existing = listed(config.out_dir)
     if config.resume == "never" and existing and not config.overwrite:
@@ -329,9 +319,8 @@ def open_out_dir(config):
 
 
 def load_newest(out_dir, warn):
-    """newest_loadable's (path, state) on every rank: rank 0 chooses, the others load that file.
-    Raises UserError on every rank when none loads, a rank cannot read rank 0's choice, or it is of
-    another format than VERSION, saying how to go on."""
+    """newest_loadable's (path, state) on every rank, which load rank 0's choice. Raises UserError on every
+    rank when none loads, a rank cannot read rank 0's choice, or it is of another format than VERSION."""
     master_process = not dist.is_initialized() or dist.get_rank() == 0
     found = agreed(lambda: newest_loadable(out_dir, warn), master_only=True)
     box = [found[0] if master_process else None]

@@ -6,8 +6,7 @@ wrappers. Each keeps torch.optim's element-wise arithmetic and presents what the
                no_sync(); clip_grad_norm_(parameters, max_norm) with torch.nn.utils' signature,
                which clips the synced gradient and returns its norm; .module
     optimizer  param_groups, zero_grad(), step(), and state_dict() / load_state_dict() of the whole,
-               unsharded state in torch.optim's format, resumable in any mode at any world size
-"""
+               unsharded state in torch.optim's format, resumable in any mode at any world size"""
 
 import contextlib
 
@@ -72,8 +71,6 @@ class DataParallel(nn.Module):
 
 
 # exact_reduction: the gradients summed in float64, the same bits at every world size
-
-
 class ExactDDP(DataParallel):
     """DDP (or one process without it) that sums gradients over micro-steps and ranks in float64,
     exact or rounding to the same float32 in any order, so every world size gets the same bits. The
@@ -114,8 +111,7 @@ class ExactDDP(DataParallel):
         """DDP's comm hook: the bucket's gradients plus their earlier float64 sums, all-reduced in float64."""
         flat = torch.cat([(self.grads64.pop(p, 0) + g.double()).view(-1)
                           for p, g in zip(bucket.parameters(), bucket.gradients())])
-        work = dist.all_reduce(flat, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0].float())
+        return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0].float())
 
     def clip_grad_norm_(self, parameters, max_norm):
         """torch.nn.utils.clip_grad_norm_, with the squares summed in float64 (clip_grad_norm)."""
@@ -123,8 +119,6 @@ class ExactDDP(DataParallel):
 
 
 # ZeRO-2: whole weights and gradients, optimizer state and update sharded by flat slices
-
-
 class ZeRO2(DataParallel):
     """ZeRO stage 2 (Rajbhandari et al. 2020), as "A Thousand Ways to Write ZeRO-2" (modded-nanogpt's
     DistAdam): rank r owns slice r, `shards[p]`, of each parameter flattened and zero-padded to a
@@ -154,8 +148,7 @@ class ZeRO2(DataParallel):
     def gather(self, shard, like):
         """(work, whole): the all-gather launched of every rank's `shard` of a tensor shaped as `like`."""
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        work = all_gather_single(full, shard, async_op=True)
-        return work, full[:like.numel()].view_as(like)
+        return all_gather_single(full, shard, async_op=True), full[:like.numel()].view_as(like)
 
     def reduce_scatter_grad(self, p):
         sync = self.require_backward_grad_sync
@@ -234,7 +227,6 @@ class ZeRO2Optimizer(OptimizerOfViews):
                 p.copy_(full)
 
     def whole(self, value, p):
-        """A state tensor of p's slice, all-gathered into p's shape."""
         work, full = self.zero2.gather(value, p)
         work.wait()
         return full.clone()  # without the padding
@@ -250,8 +242,6 @@ class ZeRO2Optimizer(OptimizerOfViews):
 
 
 # FSDP2: parameters, gradients and optimizer state sharded
-
-
 class FSDP(DataParallel):
     """torch's FSDP2 (fully_shard) on each block and on the root (the tied wte/lm_head, wpe, ln_f), its
     parameters in config.dtype for forward and backward, DTensors of whole dim-0 rows; exact_reduction

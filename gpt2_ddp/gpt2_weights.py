@@ -70,8 +70,7 @@ def hf_dir(source):
                 f"hub is reachable (huggingface_hub keeps it in its cache), or pass a directory "
                 f"holding config.json and model.safetensors") from e
     path = Path(source)
-    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
-    if missing:
+    if missing := [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]:
         raise UserError(f"{source} is neither {', '.join(HUB_NAMES)}, a checkpoint (ckpt_*.pt) or "
                         f"out_dir of train_gpt2.py, nor a Hugging Face GPT-2 directory "
                         f"({' and '.join(missing)} missing)")
@@ -91,8 +90,7 @@ def read_hf_config(path):
     if not isinstance(hf_config, dict):
         raise UserError(f"{file} holds {JSON_KINDS[type(hf_config)]}, not a JSON object: not a "
                         f"GPT-2 config")
-    missing = [k for k in SHAPE_KEYS if k not in hf_config]
-    if missing:
+    if missing := [k for k in SHAPE_KEYS if k not in hf_config]:
         raise UserError(f"{file} lacks {', '.join(missing)}: not a GPT-2 config")
     for key in SHAPE_KEYS:
         value = hf_config[key]
@@ -120,8 +118,7 @@ def load_hf(source, weights=True):
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise UserError(f"{path / 'config.json'}: {key}={value!r}, but train_gpt2.py's GPT-2 "
                             f"needs {allowed!r}")
-    shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()}
-    shape["bias"] = True
+    shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()} | {"bias": True}
     return shape, hf_state(path / "model.safetensors") if weights else None
 
 

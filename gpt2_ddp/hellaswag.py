@@ -106,8 +106,7 @@ def render(example, enc, block_size):
     rows = [(ctx + end, [0] * len(ctx) + [1] * len(end))
             for end in (enc.encode_ordinary(" " + e) for e in example["endings"])]
     length = min(block_size, max(len(t) for t, _ in rows))
-    tokens = torch.zeros(4, length, dtype=torch.long)
-    mask = torch.zeros(4, length, dtype=torch.long)
+    tokens, mask = torch.zeros(4, length, dtype=torch.long), torch.zeros(4, length, dtype=torch.long)
     for i, (t, m) in enumerate(rows):
         t, m = t[-length:], m[-length:]
         tokens[i, :len(t)] = torch.tensor(t)
@@ -144,10 +143,9 @@ def ending_losses(model, tokens, mask, autocast=None):
 
 
 def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check_stop=None):
-    """{"hellaswag_acc_norm", "hellaswag_acc", "hellaswag_examples"} of `model` over `examples` (from
-    render_all): two fractions in [0, 1] and the count. A collective: example i runs on rank
-    i % world_size, and a rank out of examples scores its last again, uncounted, so FSDP's
-    all-gathers pair up. check_stop() runs before each example. Leaves the model in eval mode."""
+    """{hellaswag_acc_norm, hellaswag_acc (in [0, 1]), hellaswag_examples} of `model` on render_all()'s
+    `examples`. A collective: example i runs on rank i % world_size, and a rank out of examples repeats its
+    last, uncounted, so FSDP's all-gathers pair up. Leaves the model in eval mode."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     indices = range(rank, math.ceil(len(examples) / world_size) * world_size, world_size)

@@ -129,7 +129,6 @@ def open_sinks(out, config, start_step):
 
 
 def close_sinks(sinks, failed):
-    """Flushes and closes each sink, telling it whether an exception ended the run."""
     for sink in sinks:
         sink.close(failed)
 
@@ -158,14 +157,12 @@ class Metrics:
         self.profiler = start_profiler(config, rank)
 
     def close(self):
-        """Stops the profiler, flushes and closes the sinks at the end of the run (train() calls it)."""
         if self.profiler:
             self.profiler.stop()
         self.closer.detach()
         close_sinks(self.sinks, failed=False)
 
     def write(self, record):
-        """Appends record (a dict: step and numbers) to log.jsonl and sends it to every sink."""
         if self.out is not None:
             self.out.log(record)
         for sink in self.sinks:
@@ -178,16 +175,14 @@ class Metrics:
 
     def train_step(self, step, loss, lr, norm, t0, optimizer, scaler, skipped, overflow):
         """Reports the step-th update (from 1), begun at time.time() t0: loss (mean of micro-batches), lr,
-        norm (before clipping), skipped, float16 overflow, loss scale, Muon's lr, and first the optimizer
-        state bytes of this rank. A loss a nat above the running mean gets its own line."""
+        norm (before clipping) and the rest. A loss a nat above the running mean gets its own line."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the GPU's work of the step is done
         dt = time.time() - t0
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
-        muon_lrs = [group["lr"] for group in optimizer.param_groups if "splits" in group]  # Muon's groups
-        if muon_lrs:
+        if muon_lrs := [g["lr"] for g in optimizer.param_groups if "splits" in g]:  # Muon's groups
             record["muon_lr"] = muon_lrs[0]
         if scaler.is_enabled():
             record["loss_scale"] = scaler.get_scale()

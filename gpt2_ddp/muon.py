@@ -1,9 +1,8 @@
-"""Muon (Jordan et al. 2024) for matrices that data parallelism may split over ranks, and Chain, which
-steps AdamW and Muon as one optimizer, as nanochat pairs them. Each parameter is this rank's view of a
-matrix: the whole matrix (ddp), a DTensor's dim-0 shard (fsdp), or a flat slice carrying the matrix's
-shape as `whole_shape` (zero2). Each rank keeps its view's element-wise momentum. Newton-Schulz needs
-the whole matrix, so its owner rank (load-balanced, the same on every rank) gathers the views'
-updates, orthogonalizes and hands every rank its view of the result."""
+"""Muon (Jordan et al. 2024) for matrices that data parallelism may split over ranks, and Chain, which steps
+AdamW and Muon as one optimizer, as nanochat pairs them. Each parameter is this rank's view of a matrix: the
+whole matrix (ddp), a DTensor's dim-0 shard (fsdp), or a flat slice with the matrix's shape as `whole_shape`
+(zero2); the rank keeps its view's element-wise momentum. Newton-Schulz needs the whole matrix, so its owner
+rank (load-balanced) gathers the views' updates, orthogonalizes and hands each rank its view of the result."""
 
 import math
 
@@ -35,12 +34,10 @@ def orthogonalize(G, steps=NS_STEPS, eps=1e-7):
 
 
 def local(t):
-    """A DTensor's local shard (fsdp); any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def when_done(work, result):
-    """A function that waits for the asynchronous collective `work`, then returns result()."""
     def wait():
         work.wait()
         return result()
@@ -102,8 +99,7 @@ class Muon(torch.optim.Optimizer):
         if n is None:
             if self.world_size == 1:
                 return lambda: whole
-            buf = whole if self.rank == owner else torch.empty(p.shape, dtype=torch.bfloat16,
-                                                               device=p.device)
+            buf = whole if self.rank == owner else torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
             return when_done(dist.broadcast(buf, src=owner, async_op=True), lambda: buf)
         view_shape = local(p).shape
         pieces = (None if whole is None
@@ -136,8 +132,7 @@ class Muon(torch.optim.Optimizer):
             whole = gathered()
             if whole is not None:
                 with record_function("newton_schulz"):
-                    splits = group["splits"]
-                    whole = orthogonalize(whole.view(splits, -1, whole.size(-1))).view_as(whole)
+                    whole = orthogonalize(whole.view(group["splits"], -1, whole.size(-1))).view_as(whole)
             returned.append(self.from_owner(whole, p))
         for (p, group, _), received in zip(sent, returned):
             rows, cols = self.whole_shape(p)

@@ -1,11 +1,9 @@
-"""
-Token shards in llm.c's .bin format (also read by modded-nanogpt): writing, reading, which files
+"""Token shards in llm.c's .bin format (also read by modded-nanogpt): writing, reading, which files
 form a split, a check that token ids fit the vocabulary. Another format changes this module alone.
 
 A shard is 256 little-endian int32 (magic 20240520, version 1, token count, zeros), then the tokens
 as little-endian uint16, named {dataset}_{split}_{index:06d}.bin (llm.c's fineweb.py) or
-{dataset}_{split}.bin (llm.c's tinyshakespeare.py and tinystories.py).
-"""
+{dataset}_{split}.bin (llm.c's tinyshakespeare.py and tinystories.py)."""
 
 import json
 import os
@@ -29,9 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent  # where prepare_data.py writes da
 
 
 def write_shard(path, tokens):
-    """Writes `tokens`, a 1-D array-like of ints in [0, 65535], to `path` as one shard, atomically,
-    so a killed run leaves no truncated .bin. Raises ValueError for tokens that are not 1-D
-    integers in uint16 range, or more than MAX_SHARD_TOKENS of them."""
+    """Writes `tokens`, 1-D ints in [0, 65535], to `path` as one shard, atomically, so a killed run leaves
+    no truncated .bin. Raises ValueError for any other tokens, or more than MAX_SHARD_TOKENS of them."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -55,15 +52,13 @@ def read_tokens(path):
 
 
 def pread_tokens(f, start, n):
-    """Tokens [start, start + n) of the open shard file `f`, read with pread: an (n,) uint16 array,
-    shorter where the file ends before them."""
+    """Tokens [start, start + n) of the open shard `f`, by pread: an (n,) uint16 array, cut at its end."""
     return np.frombuffer(os.pread(f.fileno(), 2 * n, HEADER_INTS * 4 + 2 * start), dtype="<u2")
 
 
 def read_shard_header(path):
-    """Returns the token count (>= 1) of a .bin shard after checking that it is a readable file,
-    that its header is llm.c's and that its size in bytes is the header's. Raises UserError for a
-    bad one, naming the file and how to fix it."""
+    """The token count (>= 1) of the .bin shard `path`, checked: a readable file, llm.c's header, and the
+    size in bytes the header gives. Raises UserError for a bad one, naming the file and the fix."""
     size = file_size(path, path, {"link": ", named like a shard; point it at a shard or remove it",
                                   "directory": ", named like a shard: a shard is a file; move or rename it",
                                   "other": ", named like a shard; move or rename it"})
@@ -111,8 +106,7 @@ def file_size(path, what, advice):
 
 
 def read_json(path, pick=lambda value: value):
-    """pick(the JSON value in the file `path`); None where the file cannot be read, is not JSON, or
-    pick raises KeyError or TypeError (a manifest of another shape)."""
+    """pick(the JSON in the file `path`); None if it is unreadable, not JSON, or not of pick's shape."""
     try:
         return pick(json.loads(Path(path).read_text()))
     except (OSError, ValueError, KeyError, TypeError):
@@ -120,8 +114,7 @@ def read_json(path, pick=lambda value: value):
 
 
 def shard_name(filename):
-    """(dataset, split) of a shard's file name, {dataset}_{split}_{index}.bin (the index in
-    digits) or {dataset}_{split}.bin, split being train or val; None for any other name."""
+    """(dataset, split) of a file named {dataset}_{split}[_{digits}].bin, split train or val; else None."""
     match = SHARD_NAME.fullmatch(filename)
     return (match["dataset"], match["split"]) if match else None
 
@@ -168,10 +161,9 @@ def split_paths(data_dir, split, dataset="", required=False):
 
 
 def changed_shard(data_dir, name):
-    """None if data_dir holds no {name}_manifest.json, or if its shards of dataset `name` are the
-    files the manifest lists, at the sizes in bytes it lists (stat calls only); else the first
-    difference, in words. Raises UserError for a file named like a shard of `name` that the
-    manifest does not list, which training would read with them."""
+    """None if data_dir holds no {name}_manifest.json, or if its shards of dataset `name` are the files the
+    manifest lists, at the sizes in bytes it lists (stat calls only); else the first difference, in words.
+    Raises UserError for a file named like a shard of `name` that the manifest does not list."""
     data_dir, manifest = Path(data_dir), Path(data_dir) / f"{name}_manifest.json"
     listed = read_json(manifest, lambda m: {e["file"]: e["bytes"] for e in m["shards"]})
     if listed is None:
@@ -192,10 +184,9 @@ def changed_shard(data_dir, name):
 
 
 def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
-    """The largest token id of each shard in `paths`, as a list of ints. A collective: from
-    prepare_data.py's manifests, else the JSON cache `cache_path` (in out_dir, as data_dir may be
-    read-only), an entry counting only while the shard's size and mtime are the ones it records;
-    else read by rank i % world_size for shard i, rank 0 adding the results to the cache.
+    """The largest token id of each shard in `paths`, a list of ints. A collective: from prepare_data.py's
+    manifests or the JSON cache `cache_path` (in out_dir, as data_dir may be read-only) while the shard's
+    size and mtime are as recorded, else read by rank i % world_size for shard i, rank 0 caching them.
     reduce_max(list of ints), called once on every rank, is the element-wise maximum over ranks."""
     cache = read_json(cache_path)
     cache = cache if isinstance(cache, dict) else {}
@@ -206,13 +197,11 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
               desc="checking token ids", disable=rank != 0, delay=1) as progress:
         for path in mine:
-            ids = read_tokens(path)
-            largest = 0
+            ids, scanned[path] = read_tokens(path), 0
             for start in range(0, len(ids), 1 << 24):
                 chunk = ids[start:start + (1 << 24)]
-                largest = max(largest, int(chunk.max()))
+                scanned[path] = max(scanned[path], int(chunk.max()))
                 progress.update(len(chunk))
-            scanned[path] = largest
     maxima = reduce_max([known.get(p, scanned.get(p, -1)) for p in paths])
     if rank == 0 and todo:
         for path, largest in zip(paths, maxima):
@@ -257,10 +246,9 @@ def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max)
 
 
 def document_starts(path, token):
-    """The offsets in the shard `path` of its `token`s, where its documents start: a (D,) int64
-    array. Kept beside the shard in .{name}.docs.npy, which counts while the shard's size and mtime
-    are the ones it records; the first run to need it makes it, in memory alone if the directory
-    is read-only."""
+    """The offsets in the shard `path` of its `token`s, where its documents start: a (D,) int64 array. Kept
+    beside the shard in .{name}.docs.npy, which counts while the shard's size and mtime are the ones it
+    records; the first run to need it makes it, in memory alone if the directory is read-only."""
     path, st = Path(path), os.stat(path)
     cache = path.with_name(f".{path.name}.docs.npy")
     try:
@@ -282,14 +270,13 @@ def document_starts(path, token):
 
 
 class DocumentRows:
-    """The shuffled order's rows of a split: len() of them an epoch, each row_tokens long and
-    starting at a document's `token` (document_starts), greedily: in each shard the first document
-    start, then the first at least row_tokens - 1 tokens after the last row's start, each row
-    fitting in its shard. The tokens between a row's end and the next row's start are cropped
-    (docs/data.md measures the share). Row r is row r % len() of epoch r // len()'s permutation,
-    drawn from (seed, epoch) alone; starts() gives its offset in the stream of the shards `paths`
-    of `sizes` tokens. Raises UserError, naming `split` ("train split in DIR"), where the shards
-    hold no such row."""
+    """The shuffled order's rows of a split: len() of them an epoch, each row_tokens long and starting at
+    a document's `token` (document_starts), greedily: in each shard the first document start, then the
+    first at least row_tokens - 1 tokens after the last row's start, each row fitting in its shard. The
+    tokens between a row's end and the next row's start are cropped (docs/data.md measures the share).
+    Row r is row r % len() of epoch r // len()'s permutation, drawn from (seed, epoch) alone; starts()
+    gives its offset in the stream of the shards `paths` of `sizes` tokens. Raises UserError, naming
+    `split` ("train split in DIR"), where the shards hold no such row."""
 
     def __init__(self, paths, sizes, row_tokens, token, seed, split):
         rows, offset = [], 0
@@ -312,8 +299,7 @@ class DocumentRows:
         return len(self.rows)
 
     def starts(self, first, n):
-        """The stream offsets of rows first .. first + n - 1, counted from the first epoch's first row:
-        a (n,) int64 array."""
+        """Stream offsets of rows first .. first + n - 1, counted across epochs: a (n,) int64 array."""
         out = []
         while n > 0:
             epoch, i = divmod(first, len(self.rows))

@@ -31,11 +31,8 @@ VARIANTS = {
     "eager": ["--compile=false"],
     "compile": ["--compile=true"],  # DDP(torch.compile(model)), as nanoGPT
     "compile_ddp": ["--compile=true", "--compile_ddp=true"],  # torch.compile(DDP(model))
-    "ddp": ["--sharding=ddp"],
-    "zero2": ["--sharding=zero2"],
-    "fsdp": ["--sharding=fsdp"],
-    "adamw": ["--optimizer=adamw"],
-    "muon": ["--optimizer=muon"],
+    "ddp": ["--sharding=ddp"], "zero2": ["--sharding=zero2"], "fsdp": ["--sharding=fsdp"],
+    "adamw": ["--optimizer=adamw"], "muon": ["--optimizer=muon"],
     "bfloat16": ["--dtype=bfloat16"],
     "float16": ["--dtype=float16"],  # with torch's loss scaler
     "float32": ["--dtype=float32"],  # TF32 matmuls on Ampere and later
@@ -65,7 +62,6 @@ def plan(specs, micro_batch_sizes):
     return variants
 
 
-# a directory holding this file is a variant's run that bench.py made, so a rerun may replace it
 MARKER = ".made_by_bench"
 
 
@@ -75,8 +71,7 @@ def made_here(out):
 
 
 def run(name, overrides, args, train_args):
-    """(log records, rank 0's trace path) of one variant trained in {out_dir}/{name}, replacing
-    bench.py's own run there. Raises UserError if it fails."""
+    """(log records, rank 0's trace file) of `name`, run in {out_dir}/{name}. Raises UserError if it fails."""
     out = Path(args.out_dir) / name
     if made_here(out):
         shutil.rmtree(out)
@@ -100,8 +95,7 @@ def time_split(events):
     for e in events:
         if e.get("cat") == cat and e.get("ph") == "X":
             durations.setdefault(e["name"], []).append(e["dur"] / 1000)  # us -> ms
-    nosync = durations.get("forward_backward", [])
-    sync = durations.get("forward_backward_sync", [])
+    nosync, sync = durations.get("forward_backward", []), durations.get("forward_backward_sync", [])
     wait = statistics.mean(sync) - statistics.mean(nosync) if nosync and sync else None
     fwd_bwd = (sum(nosync) + sum(sync) - (wait or 0) * len(sync)) / PROFILED_STEPS
     return {"data": sum(durations.get("data", [])) / PROFILED_STEPS, "fwd_bwd": fwd_bwd,
@@ -187,8 +181,7 @@ def main(argv):
         if (out.exists() or out.is_symlink()) and not made_here(out):
             raise UserError(f"{out} exists and was not made by bench.py, which writes each variant's "
                             f"run there; pass another --out_dir or move it away")
-    rows = {name: summarize(*run(name, overrides, args, train_args)) for name, overrides in variants}
-    print_table(rows)
+    print_table({name: summarize(*run(name, overrides, args, train_args)) for name, overrides in variants})
 
 
 if __name__ == "__main__":

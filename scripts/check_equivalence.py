@@ -29,8 +29,7 @@ def train(world_size, train_args, out_dir, python=sys.executable, label=None):
     out_dir under `python`, progress after `label`. Raises UserError with the output if it fails."""
     runs.train([*train_args, f"--out_dir={out_dir}", "--resume=never", "--overwrite=true"],
                world_size, python=python, progress=label or f"world size {world_size}")
-    checkpoint = checkpoints.listed(out_dir)[-1]
-    model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    model = torch.load(checkpoints.listed(out_dir)[-1], map_location="cpu", weights_only=True)["model"]
     return (*runs.split_records(runs.read_log(out_dir)), model)
 
 
@@ -50,7 +49,6 @@ def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
 
 
 def max_diff(model, reference):
-    """The largest absolute difference between two state dicts' tensors."""
     return max((model[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
 

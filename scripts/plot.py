@@ -23,8 +23,7 @@ REFERENCES = {"GPT-2 124M": 0.2955, "GPT-3 125M": 0.337}
 PANELS = [  # (title, log key, y scale)
     ("loss", "loss", "linear"), ("HellaSwag acc_norm", "hellaswag_acc_norm", "linear"),
     ("learning rate", "lr", "linear"), ("tokens/s", "tokens_per_sec", "linear"),
-    ("MFU (%)", "mfu", "linear"), ("gradient norm", "grad_norm", "log"),
-]
+    ("MFU (%)", "mfu", "linear"), ("gradient norm", "grad_norm", "log")]
 
 
 def series(records, key):
@@ -72,9 +71,7 @@ def plot(runs, out):
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
     loss_ranges = []  # each run's lowest loss and train loss's 95th percentile: its first steps lie above
     for ax, (title, key, scale) in zip(axes.flat, PANELS):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_yscale(scale)
+        ax.set(title=title, xlabel="step", yscale=scale)
         for i, (label, records) in enumerate(runs.items()):
             color = f"C{i}"
             steps, values = series(records, key)

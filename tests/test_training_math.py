@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 import train_gpt2
 from conftest import TINY, read_log, run_training
@@ -140,7 +141,7 @@ def test_a_skipped_non_finite_step_changes_no_weight_and_no_optimizer_state(data
 
     def poisoned(self, idx, targets=None, cache=None):
         logits, loss = forward(self, idx, targets, cache)
-        if self.training and targets is not None:
+        if self.training and targets is not None and not isinstance(loss, FakeTensor):  # not the plan's
             calls.append(1)
             if len(calls) > 2 * 4:  # updates 1 and 2 take 4 micro-steps each
                 loss = POISONS[poison](loss)

@@ -197,11 +197,12 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
     with tqdm(total=sum(os.path.getsize(p) for p in mine) // 2, unit="tok", unit_scale=True,
               desc="checking token ids", disable=rank != 0, delay=1) as progress:
         for path in mine:
-            ids, scanned[path] = read_tokens(path), 0
+            ids, largest = read_tokens(path), 0
             for start in range(0, len(ids), 1 << 24):
                 chunk = ids[start:start + (1 << 24)]
-                scanned[path] = max(scanned[path], int(chunk.max()))
+                largest = max(largest, int(chunk.max()))
                 progress.update(len(chunk))
+            scanned[path] = largest
     maxima = reduce_max([known.get(p, scanned.get(p, -1)) for p in paths])
     if rank == 0 and todo:
         for path, largest in zip(paths, maxima):

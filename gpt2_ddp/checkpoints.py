@@ -2,11 +2,13 @@
 a checksum, loaded newest first past damaged ones, and pruned sparing the one resumed from.
 open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on any rank alone."""
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import socket
+import weakref
 from pathlib import Path
 
 import torch
@@ -213,6 +215,16 @@ def newest_loadable(out_dir, warn):
     return None, None
 
 
+def unmake(dirs, lock_file):
+    """Deletes out_dir's lock, and then the dirs made for out_dir (deepest first) that are empty."""
+    with contextlib.suppress(OSError):
+        if [p.name for p in dirs[0].iterdir()] == [".lock"]:
+            (dirs[0] / ".lock").unlink()  # while still held, so no other run's lock is deleted
+        lock_file.close()
+        for d in dirs:
+            d.rmdir()
+
+
 class OutDir:
     """Rank 0's hold on a run's out_dir: its lock (taken at once; raises UserError as lock() does),
     log.jsonl and checkpoints. With `overwrite` nothing old is deleted until the run's first
@@ -220,7 +232,10 @@ class OutDir:
 
     def __init__(self, path):
         self.path = Path(path)
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]  # deepest first
         self.lock = lock(self.path)
+        # a run that fails before its first step leaves no empty out_dir of its making behind
+        self.unmake = weakref.finalize(self, unmake, made, self.lock) if made else None
         self.log_path, self.old_log = self.path / "log.jsonl", self.path / "log.jsonl.old"
         self.overwrite = None  # with overwrite: the old checkpoints, deleted at the first save
         self.protected = set()
@@ -230,6 +245,8 @@ class OutDir:
         the records up to start_step (none on a fresh start), or with `overwrite` (a list of
         checkpoints) sets it aside. Raises UserError if out_dir can't be written or one of those deleted."""
         self.protected = {resumed_from} - {None}
+        if self.unmake:
+            self.unmake.detach()
         for old in overwrite:  # renamed away and back: what deleting it needs, changing nothing
             try:
                 os.replace(old, old.with_name(old.name + ".probe"))

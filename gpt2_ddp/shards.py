@@ -8,7 +8,9 @@ as little-endian uint16, named {dataset}_{split}_{index:06d}.bin (llm.c's finewe
 import json
 import os
 import re
+import shlex
 import stat
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +121,17 @@ def shard_name(filename):
     return (match["dataset"], match["split"]) if match else None
 
 
+def launch_command():
+    """How the user launched this process, to start a command to run next: `torchrun --standalone
+    --nproc_per_node=N` under a one-node torchrun, `torchrun --nnodes=M --nproc_per_node=N` on several
+    nodes, else `python`."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return "python"
+    per_node, world_size = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = "--standalone" if per_node == world_size else f"--nnodes={world_size // per_node}"
+    return f"torchrun {nodes} --nproc_per_node={per_node}"
+
+
 def split_paths(data_dir, split, dataset="", required=False):
     """The paths of one split's shards in data_dir (as shard_name reads them), in name order: those
     of `dataset`, or of the only dataset there. Raises UserError when data_dir is a file, holds the
@@ -148,15 +161,21 @@ def split_paths(data_dir, split, dataset="", required=False):
         if dataset and names and dataset not in names:
             raise UserError(f"{missing}, which holds the shards of {', '.join(names)}: pass --dataset= one "
                             f"of them")
+        beside = sorted(str(d) for d in data_dir.parent.glob("*") if d.is_dir() and d != data_dir
+                        and any(shard_name(p.name) for p in d.glob("*.bin")))
         here = ROOT.relative_to(Path.cwd()) if ROOT.is_relative_to(Path.cwd()) else ROOT  # from the cwd
         maker = {"fineweb-edu": f"bash {here / 'scripts' / 'prepare_fineweb_edu.sh'}",
                  "tinyshakespeare": f"python {here / 'prepare_data.py'}"}.get(
                      name, f"python {here / 'prepare_data.py'} --input FILES --name {name}")
         if data_dir.resolve() != (ROOT / "data" / name).resolve():  # not where the command writes by default
             maker += f" --output_dir {data_dir}"
-        raise UserError(f"{missing}; make them with `{maker}`, or try the small CPU config: "
-                        f"{'' if here == Path() else f'cd {here} && '}python prepare_data.py && python "
-                        f"train_gpt2.py configs/shakespeare_cpu.toml")
+        launcher, cd = launch_command(), "" if here == Path() else f"cd {here} && "
+        raise UserError(
+            f"{missing}{'' if data_dir.exists() else ', which does not exist'}"
+            + (f"; data dirs beside it with shards: {', '.join(beside)}" if beside else "")
+            + f"; make them with `{maker}`, then rerun `{launcher} {shlex.join(sys.argv)}`"
+            + ("" if name == "tinyshakespeare" else f"; or try the small CPU config: {cd}python "
+               f"prepare_data.py && {launcher} train_gpt2.py configs/shakespeare_cpu.toml"))
     return paths
 
 

@@ -4,6 +4,7 @@ is wrong with it: gpt2_ddp/shards.py's checks, which train_gpt2.py runs as it bu
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import train_gpt2
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import split_paths, write_shard
+from gpt2_ddp.shards import launch_command, split_paths, write_shard
 import prepare_data
 
 
@@ -161,7 +162,8 @@ def test_the_advice_for_missing_shards_makes_them_where_data_dir_points_from_any
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=re.escape(
             f"make them with `python {ROOT}/prepare_data.py --input FILES --name books --output_dir "
-            f"d/books`, or try the small CPU config: cd {ROOT} && python prepare_data.py && ")):
+            f"d/books`, then rerun `python {shlex.join(sys.argv)}`; or try the small CPU config: cd {ROOT} && "
+            f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")):
         split_paths("d/books", "train", required=True)
     with pytest.raises(UserError) as info:
         split_paths("data/tinyshakespeare", "train", required=True)
@@ -170,3 +172,19 @@ def test_the_advice_for_missing_shards_makes_them_where_data_dir_points_from_any
     subprocess.run([sys.executable, *advice.split(), "--workers", "2"], check=True, capture_output=True)
     assert [p.name for p in split_paths("data/tinyshakespeare", "train", required=True)] == [
         "tinyshakespeare_train_000001.bin"]
+
+
+def test_advice_to_rerun_is_in_the_form_the_user_launched(monkeypatch):
+    """python for one process; torchrun, with --standalone on one node, for torchrun's workers."""
+    for env, command in [({}, "python"),
+                         ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, "torchrun --standalone --nproc_per_node=2"),
+                         ({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16"}, "torchrun --nnodes=2 --nproc_per_node=8")]:
+        for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert launch_command() == command
+        with pytest.raises(UserError, match=re.escape(f"then rerun `{command} {shlex.join(sys.argv)}`; or try "
+                                                      f"the small CPU config: python prepare_data.py && {command} "
+                                                      f"train_gpt2.py configs/shakespeare_cpu.toml")):
+            split_paths(ROOT / "data" / "fineweb-edu-missing", "train", required=True)

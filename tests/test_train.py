@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -378,9 +379,11 @@ def test_missing_shards_name_the_command_that_makes_them(tmp_path):
     with pytest.raises(UserError, match=f"no train shards .* make them with `python prepare_data.py "
                                         f"--input FILES --name nowhere --output_dir {tmp_path}/nowhere`"):
         loader(tmp_path / "nowhere")
-    with pytest.raises(UserError, match=f"make them with `bash scripts/prepare_fineweb_edu.sh --output_dir "
-                                        f"{tmp_path}/data/fineweb-edu`, or try the small CPU config: python "
-                                        f"prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml"):
+    with pytest.raises(UserError, match=re.escape(
+            f"{tmp_path}/data/fineweb-edu, which does not exist; make them with `bash "
+            f"scripts/prepare_fineweb_edu.sh --output_dir {tmp_path}/data/fineweb-edu`, then rerun `python "
+            f"{shlex.join(sys.argv)}`; or try the small CPU config: python prepare_data.py && python "
+            f"train_gpt2.py configs/shakespeare_cpu.toml")):
         loader(tmp_path / "data" / "fineweb-edu")
     write_shard(tmp_path / "x_train_000001.bin", np.arange(100))
     loader(tmp_path)

@@ -37,7 +37,6 @@ import os
 import re
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -638,24 +637,27 @@ def sample_prompt(config):
 
 
 def make_loaders(config, rank, world_size, device):
-    """The train and val DataLoaders, every shard's token ids known to fit vocab_size. Raises
-    UserError on every rank (a data_dir missing on one node stops all at once), for val_batches
-    beyond the val split, and for a shard that holds a token id the embedding lacks (another
-    tokenizer's shards) before the first step, not mid-run on the one rank that read it. A
-    collective."""
+    """(config, train DataLoader, val DataLoader), every shard's token ids known to fit vocab_size; a
+    val_batches beyond the val split is lowered to all of it, with a line saying so, as is the run's
+    length in epochs. Raises UserError on every rank (a data_dir missing on one node stops all at
+    once), and for a shard that holds a token id the embedding lacks (another tokenizer's shards)
+    before the first step, not mid-run on the one rank that read it. A collective."""
     loaders = agreed(lambda: [
         DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank, world_size,
                    device, config.dataset, config.data_order if split == "train" else "sequential",
                    config.seed) for split in ("train", "val")])
     fits = loaders[1].batches_per_epoch  # an evaluation that wrapped would count batches twice
     if config.eval_interval > 0 and config.val_batches > fits:
-        raise UserError(f"val_batches={config.val_batches} is more than the val split holds: "
-                        f"{fits} micro-batches of {config.micro_batch_size}x{config.seq_len} tokens; "
-                        f"pass --val_batches={fits} or fewer")
+        log(f"val_batches={config.val_batches} is more than the val split holds: evaluating on all "
+            f"{fits} micro-batches")
+        config = dataclasses.replace(config, val_batches=fits)
+    tokens, train_tokens = config.max_steps * config.total_batch_size, int(loaders[0].starts[-1])
+    log(f"max_steps={config.max_steps} x {config.total_batch_size} tokens a step = {tokens:,} tokens: "
+        f"{tokens / train_tokens:.1f} epochs of the {train_tokens:,} train tokens")
     paths = [path for loader in loaders for path in loader.paths]  # both splits in one scan
     check_token_ids(paths, config.vocab_size, Path(config.out_dir) / "token_ids.json", rank,
                     world_size, lambda values: all_reduce_max(values, device))
-    return loaders
+    return config, *loaders
 
 
 def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
@@ -860,7 +862,7 @@ def train(config, rank, world_size, device):
     log(agreed(lambda: memory_plan.checked_summary(config, world_size, device, memory_counts(config))))
     prompt = sample_prompt(config)
     hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
-    train_loader, val_loader = make_loaders(config, rank, world_size, device)
+    config, train_loader, val_loader = make_loaders(config, rank, world_size, device)
 
     autocast = precision.autocast(config.dtype, device)
     scaler = precision.grad_scaler(config.dtype, config.sharding, device)  # off but for float16
@@ -907,7 +909,7 @@ def train(config, rank, world_size, device):
         if stop or last_step:
             break
 
-        t0 = time.time()
+        t0 = metrics.step_begins()
         optimizer.zero_grad(set_to_none=True)
         loss_accum = torch.zeros((), device=device, dtype=sum_dtype)
         for micro_step in range(grad_accum):
@@ -987,7 +989,8 @@ def main(argv):
 
 if __name__ == "__main__":
     if {"-h", "--help"} & set(sys.argv[1:]):
-        configurator.print_quietly(__doc__ + "\nConfig keys, their defaults and what they do:\n"
+        configurator.print_quietly("usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n" + __doc__
+                                   + "\nConfig keys, their defaults and what they do:\n"
                                    + "\n".join(configurator.help_lines(Config)))
         sys.exit(0)
     # torchrun's summary shows a crash's traceback; the training loop handles Ctrl-C itself

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -145,6 +146,10 @@ class Metrics:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.peak = config.peak_flops or peak_flops(name, config.dtype)
         self.dt_avg = 0.0  # seconds per step, for the ETA
+        compiles = "compiles the model (torch.compile) and " if config.compile else ""
+        note = f"step {start_step + 1}: the first step after a start {compiles}warms up (memory, kernels)"
+        self.first_wait = threading.Timer(5, log, [note])  # step_begins starts it, train_step cancels it
+        self.first_wait.daemon = True
         self.loss_avg = None  # the running mean of the train loss, for spikes
         if self.peak is None and device.type != "cpu":
             log(f"MFU not reported: no {config.dtype} peak FLOP/s known for {name}; pass "
@@ -156,7 +161,15 @@ class Metrics:
         self.closer = weakref.finalize(self, close_sinks, self.sinks, failed=True)
         self.profiler = start_profiler(config, rank)
 
+    def step_begins(self):
+        """time.time() at the start of an update; the first after a start says what it waits for
+        when its line is more than 5 s away."""
+        if self.first_wait.ident is None:
+            self.first_wait.start()
+        return time.time()
+
     def close(self):
+        self.first_wait.cancel()
         if self.profiler:
             self.profiler.stop()
         self.closer.detach()
@@ -196,15 +209,18 @@ class Metrics:
             record["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if step == self.start_step + 1:
             record["optimizer_state_bytes"] = state_bytes(optimizer)  # rank 0's
+        self.first_wait.cancel()
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
-        self.dt_avg = dt if step <= self.start_step + 2 else 0.9 * self.dt_avg + 0.1 * dt
+        if step > self.start_step + 1:
+            self.dt_avg = 0.9 * self.dt_avg + 0.1 * dt if self.dt_avg else dt
         eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))
         reason = f"float16 overflow, loss scale halved to {scaler.get_scale():g}" if overflow else (
             "non-finite loss or gradient")
         log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e}"
             + (f" | muon_lr {record['muon_lr']:.4e}" if "muon_lr" in record else "")
             + f" | norm: {norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
-            + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "") + f" | eta {eta}"
+            + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "")
+            + (f" | eta {eta}" if self.dt_avg else "")
             + (f" | update skipped: {reason}" if skipped else ""))
         if not skipped:
             if self.loss_avg is not None and loss > self.loss_avg + 1:

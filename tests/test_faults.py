@@ -306,18 +306,32 @@ def train_error(*args):
     return proc.stderr
 
 
+def test_a_small_corpus_is_evaluated_whole_the_run_says_its_epochs_and_the_eta_skips_step_1(tmp_path):
+    """A val split smaller than val_batches is evaluated whole, in one line; the epochs line gives
+    max_steps against the train tokens; the first step's time (warm-up) sets no eta."""
+    make_shards(tmp_path / "data")  # 1000 val tokens: 31 micro-batches of 2x16; 4000 train tokens
+    console = run_training([*TINY, f"--data_dir={tmp_path}/data", f"--out_dir={tmp_path}/out",
+                            "--val_batches=32", "--max_steps=3", "--total_batch_size=128"]).stdout
+    assert "val_batches=32 is more than the val split holds: evaluating on all 31 micro-batches\n" in console
+    assert "max_steps=3 x 128 tokens a step = 384 tokens: 0.1 epochs of the 4,000 train tokens\n" in console
+    assert len(re.findall(r"^step +\d/3 \|.*\| eta \d+:\d\d:\d\d$", console, re.M)) == 2
+    assert not re.search(r"^step +1/3 .*eta", console, re.M)
+    assert [record["step"] for record in read_log(tmp_path / "out")[1]] == [0, 2, 3]
+
+
 def test_bad_data_is_named_with_the_fix(tmp_path):
-    assert "no train shards" in train_error(f"--data_dir={tmp_path}/missing", f"--out_dir={tmp_path}/o")
+    big = tmp_path / "big_ids"
+    make_shards(big)
+    err = train_error(f"--data_dir={tmp_path}/missing", f"--out_dir={tmp_path}/new/o")
+    assert (f"in {tmp_path}/missing, which does not exist; data dirs beside it with shards: {big}; make "
+            f"them with `python prepare_data.py --input FILES --name missing --output_dir {tmp_path}/missing`, "
+            f"then rerun `python train_gpt2.py ") in err
+    assert not (tmp_path / "new").exists()  # a start that fails leaves no out_dir of its making behind
     only_train = tmp_path / "only_train"
     only_train.mkdir()
     write_shard(only_train / "x_train_000001.bin", np.arange(100))
     assert "no val shards" in train_error(f"--data_dir={only_train}", f"--out_dir={tmp_path}/o")
 
-    big = tmp_path / "big_ids"
-    make_shards(big)  # 1000 val tokens: an evaluation of 32 micro-batches would wrap
-    err = train_error(f"--data_dir={big}", f"--out_dir={tmp_path}/o", "--val_batches=32")
-    assert ("val_batches=32 is more than the val split holds: 31 micro-batches of 2x16 tokens; pass "
-            "--val_batches=31 or fewer") in err
     write_shard(big / "tiny_train_000001.bin", np.full(2000, 50256))  # GPT-2 ids, vocab_size 512
     err = train_error(f"--data_dir={big}", f"--out_dir={tmp_path}/o")
     assert "tiny_train_000001.bin holds token id 50256, beyond vocab_size=512" in err

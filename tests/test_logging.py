@@ -258,3 +258,24 @@ def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data
     assert b"val loss:   0%" in output and b"hellaswag:   0%" in output, output
     plain = run_training([*args, f"--out_dir={tmp_path / 'plain'}"])
     assert "%|" not in plain.stdout + plain.stderr
+
+
+def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_waits_for(capsys):
+    """After a resume at step 10 the first step (8.7 s of warm-up) sets no eta; the next (0.5 s)
+    does, for the 8 steps left. A first step whose line is later than first_wait's interval (5 s)
+    says what it waits for; a fast one says nothing."""
+    config = load_config([*TINY, "--max_steps=20"])
+    optimizer = GPT(config).configure_optimizers(config, "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for slow in (True, False):
+        metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), GPT(config), 10)
+        metrics.first_wait.interval = 0.2 if slow else 60
+        t0 = metrics.step_begins()
+        time.sleep(0.4 if slow else 0)
+        metrics.train_step(11, 6.0, 1e-3, 1.0, t0 - 8.7, optimizer, scaler, False, False)
+        metrics.train_step(12, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, scaler, False, False)
+        metrics.close()
+        lines = capsys.readouterr().out.splitlines()[-3:]
+        assert "eta" not in lines[-2] and lines[-1].endswith("| eta 0:00:04")
+        waited = "step 11: the first step after a start warms up (memory, kernels)"
+        assert (lines[0] == waited) == slow, lines

@@ -25,6 +25,18 @@ def log(*args):
             print(*args, flush=True)
 
 
+@contextlib.contextmanager
+def waiting(what, seconds=5):
+    """Logs `waiting for {what}` if the block runs longer than `seconds`, so a long silence says why."""
+    timer = threading.Timer(seconds, log, [f"waiting for {what}"])
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 class Wandb:
     """A wandb run of every record against its `step`, its id in {out_dir}/wandb_run_id for a resumed
     run to log to. Raises UserError when the wandb package is missing or wandb.init fails."""

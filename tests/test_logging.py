@@ -20,6 +20,7 @@ import torch
 
 from conftest import ROOT, TINY, run_training, write_hellaswag
 from gpt2_ddp import runs
+from gpt2_ddp.metrics import waiting
 from train_gpt2 import GPT, UserError, load_config
 import train_gpt2
 
@@ -263,7 +264,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data
 def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_waits_for(capsys):
     """After a resume at step 10 the first step (8.7 s of warm-up) sets no eta; the next (0.5 s)
     does, for the 8 steps left. A first step whose line is later than first_wait's interval (5 s)
-    says what it waits for; a fast one says nothing."""
+    says what it waits for, as does an evaluation; fast ones say nothing."""
     config = load_config([*TINY, "--max_steps=20"])
     optimizer = GPT(config).configure_optimizers(config, "cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -279,3 +280,7 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
         assert "eta" not in lines[-2] and lines[-1].endswith("| eta 0:00:04")
         waited = "step 11: the first step after a start warms up (memory, kernels)"
         assert (lines[0] == waited) == slow, lines
+        with waiting("the val loss", seconds=0.2):  # what evaluate() says of a long evaluation
+            time.sleep(0.4 if slow else 0)
+        time.sleep(0.3)
+        assert capsys.readouterr().out == ("waiting for the val loss\n" if slow else "")

@@ -44,6 +44,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, description=None, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)
+        spec = sys.modules["__main__"].__spec__  # set when run as python -m scripts.NAME
+        kwargs.setdefault("prog", f"python -m {spec.name}" if spec else f"python {Path(sys.argv[0]).name}")
         if description:
             description = textwrap.dedent(description).strip("\n")
         super().__init__(*args, description=description, **kwargs)
@@ -100,9 +102,8 @@ def cast_value(key, raw, typ):
     try:
         if isinstance(raw, (list, dict)) or (isinstance(raw, bool) and typ is not bool):
             raise ValueError  # a TOML array, table or boolean where a number or string belongs
-        if typ is bool:
-            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-            return raw if isinstance(raw, bool) else words[str(raw).lower()]
+        if typ is bool:  # TOML's spellings, on the command line too
+            return raw if isinstance(raw, bool) else {"true": True, "false": False}[raw]
         if typ is int:
             value = float(raw)
             if value != int(value) or abs(value) >= 2**63:  # the range of torch's and numpy's int64
@@ -115,7 +116,8 @@ def cast_value(key, raw, typ):
             return value
         return str(raw)
     except (ValueError, OverflowError, KeyError):
-        raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}") from None
+        raise UserError(f"config key {key!r}: cannot read {raw!r} as {typ.__name__}"
+                        + (": pass true or false" if typ is bool else "")) from None
 
 
 def load_config(argv, config_class, rules):

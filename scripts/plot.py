@@ -66,11 +66,17 @@ def save_png(fig, out):
 
 
 def plot(runs, out):
-    """Draws `runs` ({label: records}) into the PNG `out`. Raises UserError without matplotlib."""
+    """Draws `runs` ({label: records}) into the PNG `out`, a panel for each key that some record holds
+    (the loss panel always). Raises UserError without matplotlib."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
+    panels = [panel for panel in PANELS if panel[1] == "loss" or any(
+        len(series(records, panel[1])[0]) for records in runs.values())]
+    rows, columns = math.ceil(len(panels) / 3), min(len(panels), 3)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), sharex=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
     loss_ranges = []  # each run's lowest loss and train loss's 95th percentile: its first steps lie above
-    for ax, (title, key, scale) in zip(axes.flat, PANELS):
+    for ax, (title, key, scale) in zip(axes.flat, panels):
         ax.set(title=title, xlabel="step", yscale=scale)
         for i, (label, records) in enumerate(runs.items()):
             color = f"C{i}"

@@ -53,8 +53,8 @@ def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, ou
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     add_model_arguments(parser)
-    parser.add_argument("--prompt", default="\n",
-                        help="text to continue (default: a newline; empty: from <|endoftext|>)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: empty, which starts "
+                        "from <|endoftext|>, as training's samples do)")
     parser.add_argument("--prompt_file", help="read the prompt from this file instead")
     parser.add_argument("--num_samples", type=int, default=1, help="samples, each from the prompt")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens drawn per sample")

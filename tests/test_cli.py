@@ -55,12 +55,17 @@ def test_arguments_passed_on_to_train_gpt2_stay_as_given():
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys):
+def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys, monkeypatch):
+    """--help opens with the usage line in the form that runs: python -m scripts.NAME, python FILE.py."""
     module = importlib.import_module(name)
+    as_module = name.startswith("scripts.")
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", module.__spec__ if as_module else None)
+    monkeypatch.setattr(sys, "argv", [module.__file__])
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m {name} " if as_module else f"usage: python {name}.py "), out
     assert not re.findall(r"--[a-z0-9]+-\w+", out), out
     # argparse would refill a description, running example commands into each other
     source = inspect.getsource(module)
@@ -200,3 +205,17 @@ def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbfmax_steps = 3\n")
     assert train_gpt2.load_config([str(path)]).max_steps == 3
+
+
+def test_train_gpt2_help_opens_with_its_usage_and_a_script_run_by_path_names_python_m():
+    """python scripts/NAME.py would miss the gpt2_ddp package: scripts/gpt2_ddp.py, found in its
+    stead, says the command in one line."""
+    commands = [["train_gpt2.py", "--help"], ["scripts/plot.py", "log.jsonl"], ["scripts/sample.py", "gpt2"]]
+    procs = [subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for command in commands]
+    (help_text, _), *by_path = [proc.communicate(timeout=120) for proc in procs]
+    assert help_text.startswith("usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n")
+    assert [err for _, err in by_path] == [
+        f"scripts/{name}.py: run it as python -m scripts.{name} from the repository's root\n"
+        for name in ("plot", "sample")]
+    assert [proc.returncode for proc in procs] == [0, 1, 1]

@@ -144,14 +144,14 @@ def test_ctrl_c_while_sampling_is_one_line(trained):
                                            f"sample.py: interrupted\n")
 
 
-def test_an_empty_prompt_starts_from_endoftext(trained, tmp_path, capsys):
+def test_an_empty_or_default_prompt_starts_from_endoftext(trained, tmp_path, capsys):
     model = GPT.from_pretrained(trained)
     expected = io.StringIO()
     sample(model, gpt2_encoding(), "<|endoftext|>", 5, 1.0, 50, torch.Generator().manual_seed(1337),
            out=expected)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    for prompt in (["--prompt", ""], ["--prompt_file", str(empty)]):
+    for prompt in ([], ["--prompt", ""], ["--prompt_file", str(empty)]):  # [], as training's default
         sample_main([str(trained), *prompt, "--max_new_tokens", "5", "--device", "cpu"])
         assert capsys.readouterr().out == expected.getvalue().removeprefix("<|endoftext|>")
 
@@ -272,16 +272,18 @@ def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):
         hellaswag.main(["gpt2", "--path", str(tmp_path), "--device", "cpu"])
 
 
-def test_the_hellaswag_references_are_drawn_beside_data_only(tmp_path, monkeypatch):
+def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_beside_data_only(
+        tmp_path, monkeypatch):
+    """A CPU run's log (no HellaSwag, no MFU) gets the four panels it has data for."""
     figures = []
     monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
-    steps = [{"step": 1, "loss": 3.0}]
+    steps = [{"step": 1, "loss": 3.0, "lr": 1e-3, "tokens_per_sec": 1e3, "grad_norm": 1.0}]
     plot.plot({"run": steps}, tmp_path / "plot.png")
     plot.plot({"run": [*steps, {"step": 1, "hellaswag_acc_norm": 0.3}]}, tmp_path / "plot.png")
-    panels = [fig.axes[[title for title, _, _ in plot.PANELS].index("HellaSwag acc_norm")]
-              for fig in figures]
-    assert len(panels[0].lines) == 0
-    assert len(panels[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
+    titles = [[ax.get_title() for ax in fig.axes] for fig in figures]
+    assert titles[0] == ["loss", "learning rate", "tokens/s", "gradient norm"]
+    assert titles[1] == ["loss", "HellaSwag acc_norm", "learning rate", "tokens/s", "gradient norm"]
+    assert len(figures[1].axes[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
 
 
 def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):

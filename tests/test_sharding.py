@@ -172,7 +172,7 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
     config = load_config(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16",
                           "--vocab_size=64", "--seq_len=16", "--compile=false", f"--sharding={sharding}",
                           "--dtype=float32",
-                          f"--exact_reduction={exact}"])
+                          f"--exact_reduction={str(exact).lower()}"])
     tokens = torch.randint(0, 64, (2, 3, 17), generator=torch.Generator().manual_seed(0))
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]  # (x, y), (3, 16)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -26,7 +27,7 @@ OTHER_TOOLS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "-
 LINES = {
     "train": r"step +\d+/\d+ \| loss: \d+\.\d{6} \| lr \d\.\d{4}e[-+]\d\d( \| muon_lr \d\.\d{4}e[-+]\d\d)? \| "
              r"norm: \d+\.\d{4} \| "
-             r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)? \| eta \d+:\d\d:\d\d"
+             r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)?( \| eta \d+:\d\d:\d\d)?"
              r"( \| update skipped: (non-finite loss or gradient"
              r"|float16 overflow, loss scale halved to \d+))?",
     "eval": r"step +\d+ \| val loss \d+\.\d{4}",
@@ -36,7 +37,10 @@ LINES = {
     "batch": r"world_size \d+ \| device \S+ \| total batch \d+ tokens = \d+ x \d+ x \d+ x \d+ grad "
              r"accum steps",
     "dtype": r"dtype (bfloat16|float16 with loss scaling|float32): .+",
+    "epochs": r"max_steps=\d+ x \d+ tokens a step = [\d,]+ tokens: \d+\.\d epochs of the [\d,]+ train tokens",
 }
+# words of how or where the repository was made, which docs and comments never speak of
+BUILT = r"\b(lent|sessions?|this task|before the restructure|since removed)\b"
 
 
 def heading_anchors(doc):
@@ -140,6 +144,19 @@ def test_the_docs_console_lines_have_the_shape_the_training_prints(tmp_path):
     assert all(printed.values()), proc.stdout
     quoted = [line for doc in DOCS for block in FENCE.findall(doc.read_text())
               for line in block.splitlines()
-              if re.match(r"(step|sample at step|saved|world_size|dtype) ", line)]
+              if re.match(r"(step|sample at step|saved|world_size|dtype|max_steps=\d+) ", line)]
     assert quoted and [line for line in quoted
                        if not any(re.fullmatch(shape, line) for shape in LINES.values())] == []
+
+
+def test_docs_and_comments_speak_to_the_reader_not_of_how_the_repository_was_built():
+    """README.md and docs/ (where "this machine" is the authors') and every tracked file outside
+    tests/ hold none of the words of BUILT."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    files = [ROOT / p for p in tracked if not p.startswith(("tests/", "assets/")) and (ROOT / p).is_file()
+             and (ROOT / p).suffix in {".md", ".py", ".sh", ".toml", ".txt", ""}]
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in files
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if re.search(BUILT + (r"|\bthis machine\b" if path.suffix == ".md" else ""), line, re.I)]
+    assert hits == []

@@ -28,12 +28,12 @@ def count(model, optimizer):
         p.grad = torch.zeros_like(p)
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    in_blocks = sum(p.numel() for p in model.transformer.h.parameters())
-    return {"params": sum(p.numel() for p in params),
+    numel = sum(p.numel() for p in params)
+    return {"params": numel,
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
             "matmul": sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
-            "root": sum(p.numel() for p in params) - in_blocks,
+            "root": numel - sum(p.numel() for p in model.transformer.h.parameters()),
             "block": sum(p.numel() for p in model.transformer.h[0].parameters())}
 
 
@@ -87,33 +87,24 @@ def activation_bytes(build, config):
     return max(two - one for one, two in zip(*traces))
 
 
-def extra_copies(config, world_size):
-    """(parameter, gradient) copies a sharding mode keeps besides the model's own, in units of the
-    whole model: zero2's slices of both; DDP's gradient buckets unless gradient_as_bucket_view."""
-    if config.sharding == "zero2":
-        return 1 / world_size, 1 / world_size
-    if config.sharding == "ddp":
-        return 0, int(world_size > 1 and not config.gradient_as_bucket_view)
-    return 0, 0
-
-
 def plan(config, world_size, counts):
     """{part: bytes} per rank of a training step of `config` (dtype bfloat16, float16 or float32) on
     `world_size` ranks, `counts` from train_gpt2.memory_counts() of a config with the same dtype,
     seq_len, dropout and activation_checkpointing; its last entry "total" their sum. With W = world_size:
       parameters: /W in fsdp, plus zero2's slices, plus in 16 bits the copies kept for the backward
         (autocast's in ddp and zero2; FSDP's all-gathered root and two blocks);
-      gradients: as the parameters plus extra_copies; exact_reduction's float64 sums twice that;
+      gradients: as the parameters, plus DDP's buckets (W > 1, unless gradient_as_bucket_view) and
+        exact_reduction's float64 sums (twice the float32 gradient, /W in fsdp);
       optimizer state: /W in zero2 and fsdp; activations: one micro-batch's (activation_bytes)."""
     W, P = world_size, counts["param_bytes"]
-    half = config.dtype != "float32"
     fsdp = config.sharding == "fsdp"
     shard = W if fsdp else 1
-    param_copies, grad_copies = extra_copies(config, W)
-    parts = {"parameters": P / shard + P * param_copies}
-    if half:
+    slices = P / W if config.sharding == "zero2" else 0  # zero2's, of parameters and of gradients
+    buckets = P if config.sharding == "ddp" and W > 1 and not config.gradient_as_bucket_view else 0
+    parts = {"parameters": P / shard + slices}
+    if config.dtype != "float32":
         parts["parameters"] += 2 * (counts["root"] + 2 * counts["block"] if fsdp else counts["matmul"])
-    parts["gradients"] = P / shard + P * grad_copies + (2 * P / shard if config.exact_reduction else 0)
+    parts["gradients"] = P / shard + slices + buckets + (2 * P / shard if config.exact_reduction else 0)
     parts["optimizer state"] = counts["optimizer_bytes"] / (1 if config.sharding == "ddp" else W)
     parts["activations"] = config.micro_batch_size * counts["activations"]
     parts["total"] = sum(parts.values())

@@ -1,10 +1,10 @@
 """
 Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers' GPT2LMHeadModel's.
 
-    python -m scripts.bench_sample                                  # 124M, 200 and 1000 tokens
-    python -m scripts.bench_sample --new_tokens 200 --repeats 3
-    python -m scripts.bench_sample --devices cuda                   # the GPU alone
-    python -m scripts.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
+    python -m tests.bench_sample                                  # 124M, 200 and 1000 tokens
+    python -m tests.bench_sample --new_tokens 200 --repeats 3
+    python -m tests.bench_sample --devices cuda                   # the GPU alone
+    python -m tests.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
 
 Both hold the same random weights (GPT-2 124M's shape by default), so the first line's largest logits
 difference should be tiny. Each samples --new_tokens after one random 16-token prompt, batch 1, top_k 50,

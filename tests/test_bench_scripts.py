@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/bench_sample.py's main."""
+"""Smoke tests of tests/bench_sample.py's main."""
 
 import re
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpt2_ddp.configurator import UserError
-from scripts import bench_sample
+from tests import bench_sample
 
 
 def test_bench_sample_times_ours_against_transformers_on_the_same_weights(capsys):

@@ -17,7 +17,8 @@ from conftest import ROOT, TINY, ctrl_c_reaches, make_shards
 from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
-from scripts import bench_sample, check_equivalence, hellaswag, plot, timeline
+from scripts import check_equivalence, hellaswag, plot, timeline
+from tests import bench_sample
 from scripts.sample import main as sample_main, sample
 from train_gpt2 import GPT
 

@@ -121,17 +121,6 @@ def shard_name(filename):
     return (match["dataset"], match["split"]) if match else None
 
 
-def launch_command():
-    """How the user launched this process, to start a command to run next: `torchrun --standalone
-    --nproc_per_node=N` under a one-node torchrun, `torchrun --nnodes=M --nproc_per_node=N` on several
-    nodes, else `python`."""
-    if "LOCAL_WORLD_SIZE" not in os.environ:
-        return "python"
-    per_node, world_size = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    nodes = "--standalone" if per_node == world_size else f"--nnodes={world_size // per_node}"
-    return f"torchrun {nodes} --nproc_per_node={per_node}"
-
-
 def split_paths(data_dir, split, dataset="", required=False):
     """The paths of one split's shards in data_dir (as shard_name reads them), in name order: those
     of `dataset`, or of the only dataset there. Raises UserError when data_dir is a file, holds the
@@ -169,7 +158,11 @@ def split_paths(data_dir, split, dataset="", required=False):
                      name, f"python {here / 'prepare_data.py'} --input FILES --name {name}")
         if data_dir.resolve() != (ROOT / "data" / name).resolve():  # not where the command writes by default
             maker += f" --output_dir {data_dir}"
-        launcher, cd = launch_command(), "" if here == Path() else f"cd {here} && "
+        # the user's launch form: torchrun's workers know their node's count and the world's
+        per_node, world_size = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+        nodes = "--standalone" if per_node == world_size else f"--nnodes={int(world_size) // int(per_node)}"
+        launcher = f"torchrun {nodes} --nproc_per_node={per_node}" if per_node else "python"
+        cd = "" if here == Path() else f"cd {here} && "
         raise UserError(
             f"{missing}{'' if data_dir.exists() else ', which does not exist'}"
             + (f"; data dirs beside it with shards: {', '.join(beside)}" if beside else "")

@@ -4,4 +4,4 @@ import sys
 from pathlib import Path
 
 if __name__ == "gpt2_ddp":  # not as scripts.gpt2_ddp, which tools that import every script load
-    sys.exit(f"{sys.argv[0]}: run it as python -m scripts.{Path(sys.argv[0]).stem} from the repository's root")
+    sys.exit(f"{sys.argv[0]}: run it as python -m scripts.{Path(sys.argv[0]).stem} from the repository root")

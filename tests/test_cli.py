@@ -216,6 +216,6 @@ def test_train_gpt2_help_opens_with_its_usage_and_a_script_run_by_path_names_pyt
     (help_text, _), *by_path = [proc.communicate(timeout=120) for proc in procs]
     assert help_text.startswith("usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n")
     assert [err for _, err in by_path] == [
-        f"scripts/{name}.py: run it as python -m scripts.{name} from the repository's root\n"
+        f"scripts/{name}.py: run it as python -m scripts.{name} from the repository root\n"
         for name in ("plot", "sample")]
     assert [proc.returncode for proc in procs] == [0, 1, 1]

@@ -62,7 +62,7 @@ from gpt2_ddp.device import (check_torch_version, choose_device, keep_freed_cpu_
                              make_deterministic)
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
-from gpt2_ddp.metrics import Metrics, log, waiting
+from gpt2_ddp.metrics import Metrics, Waiting, log
 from gpt2_ddp.muon import Chain, Muon
 from gpt2_ddp.sampling import KVCache
 from gpt2_ddp.shards import DocumentRows, check_token_ids, pread_tokens, read_shard_header, split_paths
@@ -760,7 +760,7 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=Non
     total = torch.zeros(3, device=device, dtype=sum_dtype)  # sum of losses, batches, shards changed
     # every rank runs as many batches (FSDP's all-gathers pair up); those past val_batches weigh 0
     batches = range(rank, math.ceil(val_batches / world_size) * world_size, world_size)
-    with torch.no_grad(), waiting(f"the val loss of {val_batches} micro-batches"):
+    with torch.no_grad(), Waiting(f"the val loss of {val_batches} micro-batches"):
         for g in tqdm(batches, "val loss", leave=False, disable=rank > 0 or None):  # rank 0's terminal
             if check_stop:
                 check_stop()

@@ -25,16 +25,19 @@ def log(*args):
             print(*args, flush=True)
 
 
-@contextlib.contextmanager
-def waiting(what, seconds=5):
-    """Logs `waiting for {what}` if the block runs longer than `seconds`, so a long silence says why."""
-    timer = threading.Timer(seconds, log, [f"waiting for {what}"])
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+class Waiting(threading.Timer):
+    """Logs `waiting for {what}` if `seconds` pass between start() and cancel(), so that a long silence
+    says why; a with block starts and cancels it."""
+
+    def __init__(self, what, seconds=5):
+        super().__init__(seconds, log, [f"waiting for {what}"])
+        self.daemon = True
+
+    def __enter__(self):
+        self.start()
+
+    def __exit__(self, *exc):
+        self.cancel()
 
 
 class Wandb:
@@ -159,9 +162,9 @@ class Metrics:
         self.peak = config.peak_flops or peak_flops(name, config.dtype)
         self.dt_avg = 0.0  # seconds per step, for the ETA
         compiles = "compiles the model (torch.compile) and " if config.compile else ""
-        note = f"step {start_step + 1}: the first step after a start {compiles}warms up (memory, kernels)"
-        self.first_wait = threading.Timer(5, log, [note])  # step_begins starts it, train_step cancels it
-        self.first_wait.daemon = True
+        # step_begins starts it, train_step cancels it
+        self.first_wait = Waiting(f"step {start_step + 1}, the first after a start: it {compiles}warms up "
+                                  f"(memory, kernels)")
         self.loss_avg = None  # the running mean of the train loss, for spikes
         if self.peak is None and device.type != "cpu":
             log(f"MFU not reported: no {config.dtype} peak FLOP/s known for {name}; pass "

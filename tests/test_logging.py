@@ -20,7 +20,7 @@ import torch
 
 from conftest import ROOT, TINY, run_training, write_hellaswag
 from gpt2_ddp import runs
-from gpt2_ddp.metrics import waiting
+from gpt2_ddp.metrics import Waiting
 from train_gpt2 import GPT, UserError, load_config
 import train_gpt2
 
@@ -278,9 +278,9 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
         metrics.close()
         lines = capsys.readouterr().out.splitlines()[-3:]
         assert "eta" not in lines[-2] and lines[-1].endswith("| eta 0:00:04")
-        waited = "step 11: the first step after a start warms up (memory, kernels)"
+        waited = "waiting for step 11, the first after a start: it warms up (memory, kernels)"
         assert (lines[0] == waited) == slow, lines
-        with waiting("the val loss", seconds=0.2):  # what evaluate() says of a long evaluation
+        with Waiting("the val loss", seconds=0.2):  # what evaluate() says of a long evaluation
             time.sleep(0.4 if slow else 0)
         time.sleep(0.3)
         assert capsys.readouterr().out == ("waiting for the val loss\n" if slow else "")

@@ -62,13 +62,13 @@ class Muon(torch.optim.Optimizer):
 
     def choose_owners(self, world_size):
         """Greedy: the costliest matrix first, each to the least loaded rank."""
+        flops = {p: self.flops(group["splits"], self.whole_shape(p))
+                 for group in self.param_groups for p in group["params"]}
         cost, self.owner = [0.0] * world_size, {}
-        by_cost = sorted(((group["splits"], p) for group in self.param_groups for p in group["params"]),
-                         key=lambda item: -self.flops(item[0], self.whole_shape(item[1])))
-        for splits, p in by_cost:
+        for p in sorted(flops, key=flops.get, reverse=True):  # a stable sort: ties in parameter order
             rank = cost.index(min(cost))
             self.owner[p] = rank
-            cost[rank] += self.flops(splits, self.whole_shape(p))
+            cost[rank] += flops[p]
 
     def whole_shape(self, p):
         return getattr(p, "whole_shape", p.shape)  # a DTensor's shape is the whole one
@@ -114,8 +114,7 @@ class Muon(torch.optim.Optimizer):
         if self.owner is None:
             # a model on the meta device (the memory plan's) is no rank's: it steps alone
             distributed = dist.is_initialized() and not self.param_groups[0]["params"][0].is_meta
-            self.rank = dist.get_rank() if distributed else 0
-            self.world_size = dist.get_world_size() if distributed else 1
+            self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
             self.choose_owners(self.world_size)
         sent = []
         for group in self.param_groups:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from gpt2_ddp.atomic import atomic_write
@@ -103,15 +104,11 @@ def render(example, enc, block_size):
     """An example's 4 candidates as tokens (4, L) int64, context then ending, zero-padded to the longest
     but at most block_size (cutting the context's start), and mask (4, L), 1 on the ending's tokens."""
     ctx = enc.encode_ordinary(example["ctx"])
-    rows = [(ctx + end, [0] * len(ctx) + [1] * len(end))
-            for end in (enc.encode_ordinary(" " + e) for e in example["endings"])]
-    length = min(block_size, max(len(t) for t, _ in rows))
-    tokens, mask = torch.zeros(4, length, dtype=torch.long), torch.zeros(4, length, dtype=torch.long)
-    for i, (t, m) in enumerate(rows):
-        t, m = t[-length:], m[-length:]
-        tokens[i, :len(t)] = torch.tensor(t)
-        mask[i, :len(m)] = torch.tensor(m)
-    return tokens, mask
+    ends = [enc.encode_ordinary(" " + e) for e in example["endings"]]
+    length = min(block_size, len(ctx) + max(map(len, ends)))
+    tokens = [torch.tensor((ctx + end)[-length:]) for end in ends]
+    mask = [torch.tensor(([0] * len(ctx) + [1] * len(end))[-length:]) for end in ends]
+    return pad_sequence(tokens, batch_first=True), pad_sequence(mask, batch_first=True)
 
 
 def render_all(examples, block_size, vocab_size):

@@ -94,8 +94,7 @@ def stream(cmd, on_line, timeout=None, env=None):
     return code, "".join(stdout), "".join(stderr)
 
 
-def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None,
-          torchrun=None):
+def train(args, nproc=1, python=sys.executable, timeout=None, env=None, progress=None, torchrun=None):
     """The CompletedProcess of command(args, ...) run by stream(), with `progress` labelling its "step"
     lines on stderr. Raises UserError with the output if it fails, TimeoutExpired past `timeout` s."""
     cmd = command(args, nproc, python, torchrun=torchrun)

@@ -38,8 +38,7 @@ def named_device(name):
 
 def choose_device(config, local_rank, launched):
     """This rank's torch.device: config.device, cuda:local_rank for cuda, or for auto cuda:local_rank,
-    mps (one process) or cpu.
-    Raises UserError for a device this machine lacks (named_device)."""
+    mps (one process) or cpu. Raises UserError for a device this machine lacks (named_device)."""
     if config.device == "cuda":  # each of torchrun's workers its own GPU, as for auto
         return named_device(f"cuda:{local_rank}")
     if config.device != "auto":

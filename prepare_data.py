@@ -338,8 +338,7 @@ def main(argv=None):
             shutil.rmtree(staging)  # left by a killed run
         staging.mkdir()
         try:
-            writer = _write_shards(args, sources, what, name, staging)
-            shards = sorted(writer.shards, key=lambda shard: shard["file"])  # listed by name
+            shards = _write_shards(args, sources, what, name, staging)
             manifest = {**source, "shards": shards, "max_token_id": max(s["max_token_id"] for s in shards)}
             atomic_write(staging / manifest_path.name,
                          lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
@@ -433,8 +432,9 @@ def _sources(args, files, reader):
     """The (where, rows) sources, rows() an iterator of (row name, dict) pairs, read afresh on each
     call: a hub dataset, streamed, or one per local file, so errors can name it. .txt and json files
     are read as `datasets`' text (sample_by=document or paragraph) and json builders do, without it."""
-    if reader == "text":  # zero-byte files hold no documents
-        return [(f, partial(_text_rows, f, args.sample_by)) for f in files if os.path.getsize(f) > 0]
+    files = [f for f in files if os.path.getsize(f) > 0]  # no documents; the parquet builder crashes on them
+    if reader == "text":
+        return [(f, partial(_text_rows, f, args.sample_by)) for f in files]
     if reader == "json":
         return [(f, partial(_json_rows, f)) for f in files]
     try:  # imported here: slow to import, and only the hub and parquet need it
@@ -450,9 +450,8 @@ def _sources(args, files, reader):
     if args.dataset:
         print(f"opening {args.dataset} on the Hugging Face hub", flush=True)  # retried before it fails
         wanted = [(args.dataset, dict(path=args.dataset, name=args.dataset_config, split=args.split))]
-    else:  # the parquet builder crashes on zero-byte files, which hold no documents
-        wanted = [(f, dict(path=reader, data_files=f, split="train")) for f in files
-                  if os.path.getsize(f) > 0]
+    else:
+        wanted = [(f, dict(path=reader, data_files=f, split="train")) for f in files]
     sources = []
     for where, kwargs in wanted:
         try:  # a hub out of reach, a name it does not hold, a file that does not parse
@@ -519,8 +518,8 @@ def _dataset_rows(where, dataset):
 
 
 def _write_shards(args, sources, what, name, staging):
-    """Tokenizes the sources into shards in `staging`; returns the _ShardWriter. Without
-    --val_tokens (and for local files), a first pass counts the tokens to size the val split."""
+    """Tokenizes the sources into shards in `staging`; returns their manifest entries, by file name.
+    Without --val_tokens (and for local files), a first pass counts the tokens to size the val split."""
     val_tokens, total = args.val_tokens, None
     if val_tokens is None and args.dataset:
         val_tokens = args.shard_size  # as build-nanogpt does for FineWeb-Edu; no counting pass
@@ -554,7 +553,7 @@ def _write_shards(args, sources, what, name, staging):
         n = sum(s["tokens"] for s in writer.shards)
         raise UserError(f"the input has only {n} tokens, all of them went to val (--val_tokens "
                         f"{val_tokens}); no train shard was written")
-    return writer
+    return sorted(writer.shards, key=lambda shard: shard["file"])
 
 
 if __name__ == "__main__":

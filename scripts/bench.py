@@ -20,6 +20,7 @@ import math
 import shutil
 import statistics
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.bench from the repository root")
 
 from gpt2_ddp import checkpoints, configurator, runs
 from gpt2_ddp.configurator import UserError

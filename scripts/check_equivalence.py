@@ -17,6 +17,7 @@ With --python it exits 1 when a loss or gradient norm differs by more than --tol
 import subprocess
 import sys
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.check_equivalence from the repository root")
 
 import torch
 

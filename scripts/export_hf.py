@@ -12,6 +12,7 @@ and GPT-2's tokenizer) that `transformers` loads with no network:
 To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingface_hub's CLI).
 """
 
+if not __spec__: raise SystemExit("run it as python -m scripts.export_hf from the repository root")
 from gpt2_ddp import configurator
 from gpt2_ddp.gpt2_weights import save_hf
 from train_gpt2 import GPT

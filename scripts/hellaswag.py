@@ -9,6 +9,7 @@ The data is downloaded once to data/hellaswag/ when missing.
 """
 
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.hellaswag from the repository root")
 
 import torch
 

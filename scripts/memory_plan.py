@@ -11,6 +11,7 @@ dtype=auto plans bfloat16, as on a GPU of compute capability 8.0 or later.
 
 import dataclasses
 import math
+if not __spec__: raise SystemExit("run it as python -m scripts.memory_plan from the repository root")
 
 from gpt2_ddp import configurator, memory_plan
 from gpt2_ddp.memory_plan import GB

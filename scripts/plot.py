@@ -10,6 +10,7 @@ Needs matplotlib (pip install matplotlib), which training does not.
 
 import math
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.plot from the repository root")
 
 import numpy as np
 

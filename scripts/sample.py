@@ -13,6 +13,7 @@ import codecs
 import math
 import sys
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.sample from the repository root")
 
 import torch
 

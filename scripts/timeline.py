@@ -14,6 +14,7 @@ in GPU time where recorded. Each rank's time starts at its first profiled step. 
 import json
 import re
 from pathlib import Path
+if not __spec__: raise SystemExit("run it as python -m scripts.timeline from the repository root")
 
 from gpt2_ddp import configurator
 from gpt2_ddp.configurator import UserError

@@ -206,16 +206,3 @@ def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfmax_steps = 3\n")
     assert train_gpt2.load_config([str(path)]).max_steps == 3
 
-
-def test_train_gpt2_help_opens_with_its_usage_and_a_script_run_by_path_names_python_m():
-    """python scripts/NAME.py would miss the gpt2_ddp package: scripts/gpt2_ddp.py, found in its
-    stead, says the command in one line."""
-    commands = [["train_gpt2.py", "--help"], ["scripts/plot.py", "log.jsonl"], ["scripts/sample.py", "gpt2"]]
-    procs = [subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for command in commands]
-    (help_text, _), *by_path = [proc.communicate(timeout=120) for proc in procs]
-    assert help_text.startswith("usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n")
-    assert [err for _, err in by_path] == [
-        f"scripts/{name}.py: run it as python -m scripts.{name} from the repository root\n"
-        for name in ("plot", "sample")]
-    assert [proc.returncode for proc in procs] == [0, 1, 1]

@@ -82,10 +82,10 @@ def overflowed(scaler, loss, norm):
 def diverged(step, skipped, loss, norm, last_saved, config):
     """The UserError that ends a run whose loss or gradient norm was not finite for `skipped`
     steps in a row up to `step`: what happened, and what to try."""
+    newest = f"step {last_saved}" if last_saved else "none yet"
     return UserError(
-        f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss "
-        f"{loss}, grad norm {norm}): the run diverged; those updates were skipped. Lower --max_lr "
-        f"(now {config.max_lr}) or look for bad data in those steps, and rerun to resume from the "
-        f"newest checkpoint " + (f"(step {last_saved}" if last_saved else "(none yet")
-        + f"), or move the newest out of {config.out_dir} to resume from before the divergence "
-        f"began")
+        f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss {loss}, "
+        f"grad norm {norm}): the run diverged; those updates were skipped. Lower --max_lr (now "
+        f"{config.max_lr}) or look for bad data in those steps, and rerun to resume from the newest "
+        f"checkpoint ({newest}), or move the newest out of {config.out_dir} to resume from before the "
+        f"divergence began")

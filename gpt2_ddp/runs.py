@@ -13,6 +13,7 @@ from pathlib import Path
 from gpt2_ddp.configurator import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
+STOP_GRACE_S = 60  # how long a stopped child may take to end (a training run saves its last step)
 
 
 def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=None):
@@ -23,9 +24,6 @@ def command(args, nproc=1, python=sys.executable, torchrun_args=(), torchrun=Non
         return [python, script, *args]
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             *torchrun_args, script, *args]
-
-
-STOP_GRACE_S = 60  # how long a stopped child may take to end (a training run saves its last step)
 
 
 @contextlib.contextmanager

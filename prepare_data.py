@@ -50,7 +50,6 @@ TINYSHAKESPEARE_PATH = ASSETS_DIR / "tinyshakespeare.txt"
 READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
-
 PART_CHARS = 1 << 19  # the most characters tokenized at once: tiktoken's memory grows with them
 # a part ends before a space, tab or newline that follows another character: GPT-2's pre-tokenizer
 # never joins the two, so the parts' tokens are the whole document's (tested)

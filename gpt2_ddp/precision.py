@@ -40,8 +40,7 @@ def check_runs(dtype, device):
     """Raises UserError, in one line, when autocast to `dtype` (and for float16 the loss scaler)
     does not run on `device` with this torch: one small matmul's forward and backward tell."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch turns autocast off with a warning where it cannot run
+        with warnings.catch_warnings(action="ignore"):  # where autocast cannot run, torch warns and skips it
             w = torch.ones(2, 2, device=device, requires_grad=True)
             with autocast(dtype, device):
                 y = w @ w

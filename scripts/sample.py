@@ -54,8 +54,8 @@ def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, ou
 def main(argv):
     parser = configurator.ArgumentParser(description=__doc__.split("\n\n")[1])
     add_model_arguments(parser)
-    parser.add_argument("--prompt", default="", help="text to continue (default: empty, which starts "
-                        "from <|endoftext|>, as training's samples do)")
+    parser.add_argument("--prompt", help="text to continue (default: a checkpoint's sample_prompt, which its "
+                        "run's samples continued; otherwise empty, which starts from <|endoftext|>)")
     parser.add_argument("--prompt_file", help="read the prompt from this file instead")
     parser.add_argument("--num_samples", type=int, default=1, help="samples, each from the prompt")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens drawn per sample")
@@ -85,8 +85,10 @@ def main(argv):
             raise UserError(f"--prompt_file {args.prompt_file} is not UTF-8 text (byte {e.start}): "
                             f"save it as UTF-8") from e
     model = decoding_layout(GPT.from_pretrained(args.source, device))
-    # on stderr, so that stdout holds the samples alone
-    print(f"sampling from {checkpoints.resolve(args.source) or args.source}", file=sys.stderr)
+    path = checkpoints.resolve(args.source)
+    print(f"sampling from {path or args.source}", file=sys.stderr)  # stdout holds the samples alone
+    if prompt is None:  # the run's, as its samples during training; from_pretrained checked the file
+        prompt = torch.load(path, weights_only=True, mmap=True)["config"]["sample_prompt"] if path else ""
     if args.compile:
         model.compile()  # compiles the forward that generate() calls
     enc = gpt2_encoding()

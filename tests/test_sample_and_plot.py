@@ -157,6 +157,19 @@ def test_an_empty_or_default_prompt_starts_from_endoftext(trained, tmp_path, cap
         assert capsys.readouterr().out == expected.getvalue().removeprefix("<|endoftext|>")
 
 
+def test_a_checkpoint_continues_its_runs_sample_prompt_unless_given_another(trained, tmp_path, capsys):
+    """As the samples printed during training; an explicit --prompt "" starts from <|endoftext|>."""
+    state = checkpoints.load(checkpoints.path_of(trained, 1))
+    state["config"]["sample_prompt"] = "ROMEO:"
+    checkpoints.save(checkpoints.path_of(tmp_path, 1), state)
+    model = GPT.from_pretrained(trained)
+    for argv, prompt in (([], "ROMEO:"), (["--prompt", ""], "<|endoftext|>")):
+        expected = io.StringIO()
+        sample(model, gpt2_encoding(), prompt, 5, 1.0, 50, torch.Generator().manual_seed(1337), out=expected)
+        sample_main([str(tmp_path), *argv, "--max_new_tokens", "5", "--device", "cpu"])
+        assert capsys.readouterr().out == expected.getvalue().removeprefix("<|endoftext|>")
+
+
 def test_a_top_k_above_the_vocabulary_samples_from_all_of_it(trained, capsys):
     texts = []
     for top_k in ("100000", "0", "50"):

@@ -55,17 +55,12 @@ def test_arguments_passed_on_to_train_gpt2_stay_as_given():
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys, monkeypatch):
-    """--help opens with the usage line in the form that runs: python -m scripts.NAME, python FILE.py."""
+def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, capsys):
     module = importlib.import_module(name)
-    as_module = "." in name
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", module.__spec__ if as_module else None)
-    monkeypatch.setattr(sys, "argv", [module.__file__])
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: python -m {name} " if as_module else f"usage: python {name}.py "), out
     assert not re.findall(r"--[a-z0-9]+-\w+", out), out
     # argparse would refill a description, running example commands into each other
     source = inspect.getsource(module)

@@ -152,13 +152,11 @@ def hf_state(file):
 def state_mismatch(state, expected):
     """What keeps `state` from loading into a model whose state dict is `expected` (on the meta
     device, say): the first missing and unexpected keys and wrong shapes in one line; "" if none."""
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
     wrong = [f"{k} {tuple(state[k].shape)} instead of {tuple(v.shape)}" for k, v in expected.items()
              if k in state and state[k].shape != v.shape]
-    problems = [f"missing {missing[:3]}" if missing else "",
-                f"unexpected {unexpected[:3]}" if unexpected else "", f"shapes: {wrong[:2]}" if wrong else ""]
-    return "; ".join(p for p in problems if p)
+    problems = [("missing", [k for k in expected if k not in state][:3]),
+                ("unexpected", [k for k in state if k not in expected][:3]), ("shapes:", wrong[:2])]
+    return "; ".join(f"{what} {found}" for what, found in problems if found)
 
 
 def save_hf(model_state, config, out_dir):

@@ -148,5 +148,4 @@ def read_log(path, keep=lambda record: True, what="a JSON object"):
 
 def split_records(records):
     """(train steps, evals, HellaSwag evals): the records holding "loss", "val_loss", "hellaswag_acc_norm"."""
-    return ([r for r in records if "loss" in r], [r for r in records if "val_loss" in r],
-            [r for r in records if "hellaswag_acc_norm" in r])
+    return tuple([r for r in records if key in r] for key in ("loss", "val_loss", "hellaswag_acc_norm"))

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -306,17 +307,29 @@ def train_error(*args):
     return proc.stderr
 
 
-def test_a_small_corpus_is_evaluated_whole_the_run_says_its_epochs_and_the_eta_skips_step_1(tmp_path):
-    """A val split smaller than val_batches is evaluated whole, in one line; the epochs line gives
-    max_steps against the train tokens; the first step's time (warm-up) sets no eta."""
-    make_shards(tmp_path / "data")  # 1000 val tokens: 31 micro-batches of 2x16; 4000 train tokens
-    console = run_training([*TINY, f"--data_dir={tmp_path}/data", f"--out_dir={tmp_path}/out",
-                            "--val_batches=32", "--max_steps=3", "--total_batch_size=128"]).stdout
-    assert "val_batches=32 is more than the val split holds: evaluating on all 31 micro-batches\n" in console
-    assert "max_steps=3 x 128 tokens a step = 384 tokens: 0.1 epochs of the 4,000 train tokens\n" in console
-    assert len(re.findall(r"^step +\d/3 \|.*\| eta \d+:\d\d:\d\d$", console, re.M)) == 2
-    assert not re.search(r"^step +1/3 .*eta", console, re.M)
-    assert [record["step"] for record in read_log(tmp_path / "out")[1]] == [0, 2, 3]
+def test_docs_own_text_path_runs_as_written_on_100_kb_and_says_what_it_chose(tmp_path):
+    """docs/data.md's own-text commands, in a copy of the repository, on a 100 KB text: the val
+    split (5 micro-batches) is evaluated whole, in one line; the epochs line gives max_steps against
+    the train tokens; the first step's time (warm-up) sets no eta."""
+    repo = tmp_path / "repo"
+    (repo / "books").mkdir(parents=True)
+    for name in ("train_gpt2.py", "prepare_data.py", "gpt2_ddp", "assets", "configs"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, repo / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                          if copy is shutil.copytree else {}))
+    (repo / "books" / "small.txt").write_bytes((ROOT / "assets" / "tinyshakespeare.txt").read_bytes()[:100_000])
+    block = re.search(r"## Your own text, end to end\n\n```bash\n(.*?)```", (ROOT / "docs" / "data.md").read_text(),
+                      re.S)[1]
+    prepare, train = [re.sub(r"\s+#.*", "", line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()[:2]]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", f"{prepare} && {train} --max_steps=3"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "val_batches=64 is more than the val split holds: evaluating on all 5 micro-batches\n" in proc.stdout
+    assert "max_steps=3 x 2048 tokens a step = 6,144 tokens: 0.2 epochs of the 27,582 train tokens\n" in proc.stdout
+    assert len(re.findall(r"^step +\d/3 \|.*\| eta \d+:\d\d:\d\d$", proc.stdout, re.M)) == 2
+    assert re.search(r"^step +1/3 \|", proc.stdout, re.M) and not re.search(r"^step +1/3 .*eta", proc.stdout, re.M)
+    assert [record["step"] for record in read_log(repo / "out" / "books")[1]] == [0, 3]
 
 
 def test_bad_data_is_named_with_the_fix(tmp_path):
@@ -425,7 +438,6 @@ def good_run(tmp_path_factory):
 
 def copy_run(good_run, tmp_path):
     """A copy of good_run's out_dir to change, and the bytes of its checkpoints."""
-    import shutil
     out = tmp_path / "out"
     shutil.copytree(good_run / "out", out)
     return out, {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")}
@@ -715,7 +727,6 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
 def test_train_shards_that_changed_under_the_checkpoint_are_refused_unless_allowed(good_run, tmp_path):
     """Shards made again (another size) under a run's data_dir: its saved position would point into
     other tokens, so the resume is refused in one line naming --init_from and --allow_new_data."""
-    import shutil
     out, _ = copy_run(good_run, tmp_path)
     data = tmp_path / "data"
     shutil.copytree(good_run / "data", data)
@@ -794,7 +805,6 @@ def test_a_run_whose_out_dir_is_deleted_stops_at_its_next_save(good_run, tmp_pat
     """out_dir deleted under a run, and a new run started in the same out_dir: the first run's
     log records go nowhere and its next save stops it in one line, so it never writes into the
     new run's out_dir."""
-    import shutil
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "train_gpt2.py", *SMALL, f"--data_dir={good_run / 'data'}",
                              f"--out_dir={out}", "--max_steps=100000", "--checkpoint_interval=6"],

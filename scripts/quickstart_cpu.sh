@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python prepare_data.py  # says in a second that it has nothing to do where the shards are made
-torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml "$@"
+OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml "$@"

@@ -70,7 +70,6 @@ class DataParallel(nn.Module):
             self.require_backward_grad_sync = sync
 
 
-# exact_reduction: the gradients summed in float64, the same bits at every world size
 class ExactDDP(DataParallel):
     """DDP (or one process without it) that sums gradients over micro-steps and ranks in float64,
     exact or rounding to the same float32 in any order, so every world size gets the same bits. The
@@ -139,8 +138,7 @@ class ZeRO2(DataParallel):
 
     def padded(self, t):
         """t flattened and zero-padded to a multiple of world_size elements."""
-        flat = t.reshape(-1)
-        return F.pad(flat, (0, -flat.numel() % self.world_size))
+        return F.pad(t.reshape(-1), (0, -t.numel() % self.world_size))
 
     def shard_of(self, t):
         return self.padded(t).tensor_split(self.world_size)[self.rank]
@@ -271,7 +269,6 @@ class FSDP(DataParallel):
 
     def clip_grad_norm_(self, parameters, max_norm):
         """torch.nn.utils.clip_grad_norm_ of the DTensors; with exact_reduction, clip_grad_norm's."""
-        parameters = list(parameters)
         if self.exact:
             grads = [p.grad.to_local() for p in parameters if p.grad is not None]
             return clip_grad_norm(grads, max_norm, sharded=True)

@@ -439,7 +439,6 @@ def _sources(args, files, reader):
     try:  # imported here: slow to import, and only the hub and parquet need it
         import datasets
         import huggingface_hub
-        from datasets import load_dataset
     except ImportError:
         raise UserError(f"{'--dataset' if args.dataset else 'parquet input'} needs the "
                         f"datasets package: pip install datasets") from None
@@ -454,7 +453,7 @@ def _sources(args, files, reader):
     sources = []
     for where, kwargs in wanted:
         try:  # a hub out of reach, a name it does not hold, a file that does not parse
-            dataset = load_dataset(**kwargs, streaming=True)
+            dataset = datasets.load_dataset(**kwargs, streaming=True)
         except Exception as e:
             raise _read_error(where, e) from None
         sources.append((where, partial(_dataset_rows, where, dataset)))

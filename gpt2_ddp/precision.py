@@ -82,9 +82,8 @@ def diverged(step, skipped, loss, norm, last_saved, config):
     """The UserError that ends a run whose loss or gradient norm was not finite for `skipped`
     steps in a row up to `step`: what happened, and what to try."""
     newest = f"step {last_saved}" if last_saved else "none yet"
-    return UserError(
-        f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss {loss}, "
-        f"grad norm {norm}): the run diverged; those updates were skipped. Lower --max_lr (now "
-        f"{config.max_lr}) or look for bad data in those steps, and rerun to resume from the newest "
-        f"checkpoint ({newest}), or move the newest out of {config.out_dir} to resume from before the "
-        f"divergence began")
+    return UserError(f"the loss or gradient norm was not finite in steps {step - skipped + 1}-{step} (loss "
+                     f"{loss}, grad norm {norm}): the run diverged; those updates were skipped. Lower "
+                     f"--max_lr (now {config.max_lr}) or look for bad data in those steps, and rerun to "
+                     f"resume from the newest checkpoint ({newest}), or move the newest out of "
+                     f"{config.out_dir} to resume from before the divergence began")

@@ -157,8 +157,7 @@ def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check
     if dist.is_initialized():
         dist.all_reduce(counts)
     correct_norm, correct, n = counts.tolist()
-    return {"hellaswag_acc_norm": correct_norm / n, "hellaswag_acc": correct / n,
-            "hellaswag_examples": n}
+    return {"hellaswag_acc_norm": correct_norm / n, "hellaswag_acc": correct / n, "hellaswag_examples": n}
 
 
 def summary(result):

@@ -26,8 +26,8 @@ MODEL_KEYS = (*SHAPE_KEYS.values(), "bias")  # the Config keys that fix the mode
 SOURCES = (f"a ckpt_NNNNNNN.pt or out_dir of train_gpt2.py, a Hugging Face GPT-2 directory, or "
            f"{', '.join(HUB_NAMES)}")
 ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins
-JSON_KINDS = {str: "a string", float: "a float", bool: "a boolean", type(None): "null", list: "an array",
-              dict: "an object"}
+JSON_KINDS = {str: "a string", int: "an integer", float: "a float", bool: "a boolean", type(None): "null",
+              list: "an array", dict: "an object"}
 
 
 def load_weights(source, weights=True):

@@ -280,6 +280,7 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(hf_tiny, tmp_path):
 @pytest.mark.parametrize("config, message", [
     ('{"n_embd": 32,', "config.json is not valid JSON \\(Expecting property name .*\\): not a GPT-2 config"),
     ("[1, 2]", "config.json holds an array, not a JSON object: not a GPT-2 config"),
+    ("5", "config.json holds an integer, not a JSON object: not a GPT-2 config"),
     ('{"model_type": "gpt2"}', "config.json lacks n_layer, n_head, n_embd, n_positions, vocab_size: "
                                "not a GPT-2 config"),
     ({"n_layer": 2.0}, "config.json: n_layer is 2.0, a float, not a positive integer"),

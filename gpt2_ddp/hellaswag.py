@@ -19,6 +19,7 @@ from tqdm import tqdm
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.collectives import agreed
 from gpt2_ddp.configurator import UserError
+from gpt2_ddp.metrics import Waiting
 from gpt2_ddp.tokenizer import gpt2_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -146,14 +147,15 @@ def evaluate(model, examples, device, rank=0, world_size=1, autocast=None, check
     model.eval()
     counts = torch.zeros(3, dtype=torch.long, device=device)  # correct by mean, by sum, examples
     indices = range(rank, math.ceil(len(examples) / world_size) * world_size, world_size)
-    for i in tqdm(indices, "hellaswag", leave=False, disable=rank > 0 or None):  # rank 0's terminal
-        if check_stop:
-            check_stop()
-        tokens, mask, label = examples[min(i, len(examples) - 1)]
-        total, mean = ending_losses(model, tokens.to(device), mask.to(device), autocast)
-        if i < len(examples):
-            counts += torch.tensor([int(mean.argmin()) == label, int(total.argmin()) == label, 1],
-                                   device=device)
+    with Waiting(f"HellaSwag on {len(examples)} examples"):
+        for i in tqdm(indices, "hellaswag", leave=False, disable=rank > 0 or None):  # rank 0's terminal
+            if check_stop:
+                check_stop()
+            tokens, mask, label = examples[min(i, len(examples) - 1)]
+            total, mean = ending_losses(model, tokens.to(device), mask.to(device), autocast)
+            if i < len(examples):
+                counts += torch.tensor([int(mean.argmin()) == label, int(total.argmin()) == label, 1],
+                                       device=device)
     if dist.is_initialized():
         dist.all_reduce(counts)
     correct_norm, correct, n = counts.tolist()

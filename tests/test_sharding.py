@@ -2,6 +2,7 @@
 exact_reduction, as test_equivalence.py), bitwise resume at any world size and from the other
 modes' checkpoints, and optimizer state split over ranks."""
 
+import gc
 import json
 import shutil
 
@@ -183,6 +184,7 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
     norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
     reference.step()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = optimizer = None
     try:
         torch.manual_seed(0)
         raw = GPT(config)
@@ -208,4 +210,6 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
         optimizer.load_state_dict(saved)
         assert all(p.grad is None for p in raw.parameters())
     finally:
+        del model, optimizer
+        gc.collect()  # as main() does: gloo aborts if work objects in reference cycles outlive the group
         dist.destroy_process_group()

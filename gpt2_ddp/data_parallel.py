@@ -130,7 +130,9 @@ class ZeRO2(DataParallel):
         self.exact = config.exact_reduction
         self.shards = {}  # parameter -> this rank's slice of it
         for p in model.parameters():
-            self.shards[p] = self.shard_of(p.detach()).clone()
+            # one rank owns each whole parameter: its slice is a view, updated in place, none gathered
+            whole = self.world_size == 1
+            self.shards[p] = p.detach().view(-1) if whole else self.shard_of(p.detach()).clone()
             self.shards[p].whole_shape = p.shape  # for Muon, which orthogonalizes whole matrices
             p.register_post_accumulate_grad_hook(self.reduce_scatter_grad)
         self.grads64 = {}  # exact: parameter -> float64 sum of this step's earlier micro-steps
@@ -157,8 +159,11 @@ class ZeRO2(DataParallel):
                 return
         elif not sync:
             return
-        else:
-            grad = p.grad / self.world_size  # divide before summing, as DDP does, to round alike
+        else:  # divided before summing, as DDP does, to round alike; one rank's needs no division
+            grad = p.grad / self.world_size if self.world_size > 1 else p.grad
+        if self.world_size == 1:  # the sum of one rank's gradient is that gradient
+            self.shards[p].grad, p.grad = grad.reshape(-1).float(), None
+            return
         reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter_single(reduced, self.padded(grad), async_op=True)
         if not self.pending:  # the backward's first: wait for them all once it ends
@@ -218,6 +223,8 @@ class ZeRO2Optimizer(OptimizerOfViews):
 
     def step(self):
         self.optimizer.step()
+        if self.zero2.world_size == 1:  # the slices are views of the weights
+            return
         gathers = [(p, *self.zero2.gather(self.zero2.shards[p], p)) for p in self.params]
         with torch.no_grad():
             for p, work, full in gathers:

@@ -161,15 +161,20 @@ def test_activation_checkpointing_changes_no_number(mode, world_size, equiv_runs
 @pytest.mark.compat
 @pytest.mark.parametrize("sharding, exact", [("ddp", True), ("zero2", False), ("zero2", True),
                                              ("fsdp", False), ("fsdp", True)])
-def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
+def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, monkeypatch):
     """data_parallel.wrap's model and optimizer, in a process group of one: a backward inside
     no_sync() leaves its gradient to accumulate, the synced one after it adds it in, and
     clip_grad_norm_ returns the norm of their sum as torch's does for a plain model (to float32
     rounding, 1e-5); the optimizer's step gives the plain AdamW's weights, its state_dict() holds
-    whole tensors as torch.optim's does, and load_state_dict() takes it back."""
+    whole tensors as torch.optim's does, and load_state_dict() takes it back. zero2's one rank
+    steps its weights in place, with no reduce-scatter or all-gather."""
     import torch.distributed as dist
 
     from gpt2_ddp import data_parallel
+    collectives = []
+    for name in ("reduce_scatter_single", "all_gather_single"):
+        monkeypatch.setattr(data_parallel, name, lambda *args, _f=getattr(data_parallel, name), **kwargs:
+                            collectives.append(1) or _f(*args, **kwargs))
     config = load_config(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16",
                           "--vocab_size=64", "--seq_len=16", "--compile=false", f"--sharding={sharding}",
                           "--dtype=float32",
@@ -198,6 +203,7 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact):
         torch.testing.assert_close(model.clip_grad_norm_(raw.parameters(), 1e9), norm, rtol=1e-5,
                                    atol=0)
         optimizer.step()
+        assert collectives == [] or sharding != "zero2"
         state = raw.state_dict()
         for name, p in plain.state_dict().items():
             torch.testing.assert_close(state[name], p, rtol=1e-5, atol=1e-7)

@@ -58,13 +58,13 @@ from gpt2_ddp import (checkpoints, configurator, data_parallel, gpt2_weights, he
                       precision)
 from gpt2_ddp.collectives import (STOP_SIGNALS, Stopped, agreed, all_reduce_max, catch_stop_signals,
                                   machine_failure, stopped_line, torchrun_env, wait_for_master)
-from gpt2_ddp.device import (check_torch_version, choose_device, keep_freed_cpu_memory,
-                             make_deterministic)
+from gpt2_ddp.device import (SDPA_BACKENDS, check_torch_version, choose_attention, choose_device,
+                             keep_freed_cpu_memory, make_deterministic)
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.gpt2_weights import MODEL_KEYS
 from gpt2_ddp.metrics import Metrics, Waiting, log
 from gpt2_ddp.muon import Chain, Muon
-from gpt2_ddp.sampling import KVCache
+from gpt2_ddp.sampling import KVCache, training_sample
 from gpt2_ddp.shards import DocumentRows, check_token_ids, pread_tokens, read_shard_header, split_paths
 from gpt2_ddp.tokenizer import EOT_TOKEN, gpt2_encoding
 
@@ -141,6 +141,7 @@ class Config:
     dtype: str = "auto"  # bfloat16, float16 (loss-scaled) or float32; auto: by GPU, float32 on CPU
     compile: bool = True  # torch.compile the model
     compile_ddp: bool = False  # torch.compile(DDP(model)) instead of DDP(torch.compile(model))
+    sdpa_backend: str = "auto"  # attention's kernel: auto (torch's choice), cudnn, flash, efficient or math
     collective_timeout_s: int = 600  # a dead rank makes the others fail after this, not hang
     profile: bool = False  # each rank writes a torch.profiler trace of 3 steps to out_dir
 
@@ -171,6 +172,7 @@ CONFIG_RULES = {
     "dtype": (("auto", *precision.DTYPES), "auto, bfloat16, float16 or float32"),
     "resume": (("auto", "never"), "auto or never"),
     "data_order": (("shuffled", "sequential"), "shuffled or sequential"),
+    "sdpa_backend": (("auto", *SDPA_BACKENDS), "auto, cudnn, flash, efficient or math"),
 }
 
 
@@ -333,8 +335,9 @@ class GPT(nn.Module):
     def configure_optimizers(self, config, device_type):
         """The run's optimizer, one object whose step() updates every parameter (nanoGPT's
         configure_optimizers, nanochat's setup_optimizers). AdamW (Loshchilov & Hutter 2019) with
-        config's lr and betas, eps 1e-8 as GPT-3, fused on CUDA; weight decay on the 2-D weights
-        (matmuls and embeddings), none on biases and LayerNorm gains, as GPT-2 and nanoGPT.
+        config's lr and betas, eps 1e-8 as GPT-3, fused (which can skip an update on the device:
+        precision.step_unless) but on the meta device; weight decay on the 2-D weights (matmuls and
+        embeddings), none on biases and LayerNorm gains, as GPT-2 and nanoGPT.
         optimizer=muon: Muon for the blocks' matmul weights (c_attn's as q, k and v: splits 3),
         AdamW for the rest (the tied wte/lm_head, wpe, biases, gains), stepped as one. Each group's
         lr_scale is what the schedule's learning rate is multiplied by for it."""
@@ -345,7 +348,7 @@ class GPT(nn.Module):
         no_decay = {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}
         adamw = torch.optim.AdamW([{**decay, "lr_scale": 1.0}, {**no_decay, "lr_scale": 1.0}],
                                   lr=config.max_lr, betas=(config.beta1, config.beta2), eps=1e-8,
-                                  fused=device_type == "cuda")
+                                  fused=device_type != "meta")
         if not muon:
             return adamw
         qkv = [block.attn.c_attn.weight for block in blocks]
@@ -390,17 +393,9 @@ class GPT(nn.Module):
         Raises UserError for a source that is none of these or cannot be read."""
         shape, state = gpt2_weights.load_weights(source)
         model = cls(Config(**shape))
-        check_weights(state, model.state_dict(), source)
+        gpt2_weights.check_weights(state, model.state_dict(), source)
         model.load_state_dict(state)
         return model.to(device).eval()
-
-
-def check_weights(state, expected, source):
-    """Raises UserError, naming `source`, unless the state dict `state` loads into a model whose
-    state dict is `expected`."""
-    problems = gpt2_weights.state_mismatch(state, expected)
-    if problems:
-        raise UserError(f"{source} does not hold the GPT-2 this run builds: {problems}")
 
 
 def init_from(config, weights=True):
@@ -426,7 +421,7 @@ def init_from(config, weights=True):
         raise UserError(f"seq_len={config.seq_len} exceeds init_from={config.init_from}'s "
                         f"block_size={config.block_size}: pass --seq_len={config.block_size}")
     if state is not None:
-        check_weights(state, meta_model(config).state_dict(), config.init_from)
+        gpt2_weights.check_weights(state, meta_model(config).state_dict(), config.init_from)
     log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     return config, state
 
@@ -447,7 +442,8 @@ def memory_counts(config):
 
 def build_model(config, device, pretrained_state=None):
     """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
-    loaded from pretrained_state."""
+    loaded from pretrained_state, its attention kernel chosen and named (choose_attention)."""
+    log(choose_attention(config, device, precision.DTYPES[config.dtype]))
     torch.manual_seed(config.seed)
     model = GPT(config).to(device)
     if pretrained_state is not None:
@@ -492,6 +488,7 @@ class DataLoader:
         self.rows = DocumentRows(self.paths, sizes, T + 1, EOT_TOKEN, derived_seed(seed, "data_order"),
                                  f"{split} split in {data_dir}") if order == "shuffled" else None
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
+        self.ahead = None  # (batch_index, micro-batch) that prefetch() read
 
     def read(self, start, n):
         """Tokens [start, start + n) of the stream, crossing shard boundaries, as an (n,) uint16 array.
@@ -528,9 +525,16 @@ class DataLoader:
 
     def next_batch(self):
         """This rank's next micro-batch: global micro-batch batch_index + rank."""
-        x, y = self.get_batch(self.batch_index + self.rank)
+        ahead, self.ahead = self.ahead, None
+        x, y = ahead[1] if ahead and ahead[0] == self.batch_index else self.get_batch(
+            self.batch_index + self.rank)
         self.batch_index += self.world_size
         return x, y
+
+    def prefetch(self):
+        """Reads the micro-batch next_batch() gives next and queues its copy to the device now, leaving
+        the position (batch_index, which checkpoints save) where it is."""
+        self.ahead = self.batch_index, self.get_batch(self.batch_index + self.rank)
 
     def get_batch(self, g):
         """Global micro-batch g (wrapping at the end of the epoch) as (x, y)."""
@@ -778,22 +782,6 @@ def evaluate(model, val_loader, val_batches, autocast, sum_dtype, check_stop=Non
     return (total[0] / total[1]).float().item()
 
 
-def sample(model, prompt, config, step, device, autocast, check_stop):
-    """The model's continuation of `prompt` (GPT-2 token ids), config.sample_tokens long, drawn
-    from a generator seeded by (seed, step) under `autocast`, as text. Every rank calls it (FSDP's
-    all-gathers). check_stop() runs before each token (StopSignals.check raises Stopped)."""
-    model.eval()
-    tokens = [torch.tensor([prompt], device=device)]
-    generator = torch.Generator(device=device).manual_seed(derived_seed(config.seed, "sample", step))
-    with autocast:
-        for token in model.generate(tokens[0], config.sample_tokens, generator):
-            check_stop()
-            tokens.append(token)
-    tokens = torch.cat(tokens, dim=1)
-    model.train()
-    return gpt2_encoding().decode(tokens[0].tolist())
-
-
 def save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, evaluated):
     """Saves the checkpoint of `step` (OutDir.save) and returns its step. A collective: the sharded
     swap-ins gather whole tensors, and every rank stops if the save fails."""
@@ -838,6 +826,23 @@ def parallelize(raw_model, config, device):
     if config.compile and config.compile_ddp:  # DDPOptimizer splits the graph at the buckets
         model = torch.compile(model)
     return model, optimizer, torch.nn.utils.clip_grad_norm_
+
+
+def update(optimizer, scaler, clip_grad_norm_, raw_model, lr, config, loss_and_flags, micro_batches):
+    """Queues the step's update, reading nothing on the host: lr set, the gradient unscaled (float16)
+    and clipped, the optimizer stepped unless the loss or the gradient norm is not finite or a rank
+    met a changed shard, and the loss scaler updated. loss_and_flags: the all-reduced (loss sum,
+    stops, changes). Returns (mean loss, stops, norm, changes, loss scale) as one float32 tensor, for
+    the step's one host read."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"]
+    scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
+    norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
+    loss_sum, stops, changes = loss_and_flags
+    loss = loss_sum / micro_batches
+    precision.step_unless(optimizer, ~(torch.isfinite(loss) & torch.isfinite(norm)) | (changes > 0))
+    scaler.update()  # halves the scale after an overflow, doubles it after 2000 clean steps
+    return torch.stack([loss, stops, norm, changes, precision.scale(scaler, norm.device)]).float()
 
 
 # -----------------------------------------------------------------------------
@@ -893,7 +898,8 @@ def train(config, rank, world_size, device):
                 raw_model.train()
                 metrics.evaluation(step, result, hellaswag.summary(result))
             if measure and every(config.sample_interval, step, config) and step > 0:
-                text = sample(raw_model, prompt, config, step, device, autocast, stop_signals.check)
+                text = training_sample(raw_model, prompt, config.sample_tokens, derived_seed(
+                    config.seed, "sample", step), device, autocast, stop_signals.check)
                 log(f"sample at step {step}: {text!r}")
         except Stopped:  # the checkpoint says this step's evaluations did not run
             stop, measure = True, False
@@ -935,28 +941,23 @@ def train(config, rank, world_size, device):
         loss_and_flags = torch.cat([loss_accum[None], flags])
         if dist.is_initialized():
             dist.all_reduce(loss_and_flags, op=dist.ReduceOp.SUM)
-        loss_accum, stops, changes = loss_and_flags
+        lr = get_lr(step, config)
         with record_function("optimizer"):
-            lr = get_lr(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
-            norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-            # the step's one host sync: a non-finite loss or norm skips the update, changing nothing
-            loss_value, stops, norm, changes = torch.stack(
-                [loss_accum / micro_batches_per_step, stops, norm, changes]).float().tolist()
-            if changes:  # every rank saves the weights of `step`, which no changed token reached
-                train_loader.batch_index -= micro_batches_per_step
-                save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, measure)
-                agreed(train_loader.raise_changed)
-            finite = math.isfinite(loss_value) and math.isfinite(norm)
-            if finite:
-                optimizer.step()
-            scaler.update()  # halves the scale after an overflow, doubles it after 2000 clean steps
+            results = update(optimizer, scaler, clip_grad_norm_, raw_model, lr, config, loss_and_flags,
+                             micro_batches_per_step)
+        if step + 1 < config.max_steps:  # the next step's first micro-batch, read while the GPU works
+            train_loader.prefetch()
+        loss_value, stops, norm, changes, loss_scale = results.tolist()  # the step's one host read
+        if changes:  # no rank updated: each saves the weights of `step`, which no changed token reached
+            train_loader.batch_index -= micro_batches_per_step
+            save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, measure)
+            agreed(train_loader.raise_changed)
+        finite = math.isfinite(loss_value) and math.isfinite(norm)
         # float16's overflows are normal, the scaler's to handle; a non-finite loss is not
-        overflow = precision.overflowed(scaler, loss_value, norm)
+        overflow = precision.overflowed(scaler, loss_value, norm, loss_scale)
         skipped = 0 if finite else skipped + (not overflow)
-        metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer, scaler, not finite, overflow)
+        metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer,
+                           loss_scale if scaler.is_enabled() else None, not finite, overflow)
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
             raise precision.diverged(step + 1, skipped, loss_value, norm, last_saved, config)
         stop = stops > 0

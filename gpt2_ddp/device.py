@@ -1,12 +1,14 @@
 """The device a rank runs on and the process-wide settings it needs: the oldest torch it runs on,
 which device (--device=auto picks cuda:LOCAL_RANK, mps or cpu), deterministic kernels for
-exact_reduction, and glibc's malloc kept from returning the CPU's freed memory to the OS."""
+exact_reduction, the attention kernel, and glibc's malloc kept from returning the CPU's freed
+memory to the OS."""
 
 import ctypes
 import os
 import re
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from gpt2_ddp.configurator import UserError
 
@@ -71,3 +73,31 @@ def keep_freed_cpu_memory():
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+# sdpa_backend's values, each with torch's flag that turns it on and its name in SDPBackend
+SDPA_BACKENDS = {"cudnn": ("cudnn", "CUDNN_ATTENTION"), "flash": ("flash", "FLASH_ATTENTION"),
+                 "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"), "math": ("math", "MATH")}
+
+
+def choose_attention(config, device, dtype):
+    """Turns on F.scaled_dot_product_attention's kernels for config.sdpa_backend: auto keeps torch's
+    order of preference (cuDNN's, then flash, on an H100 with torch 2.11), another value that kernel,
+    each with the math kernel for shapes it lacks (sampling's). Returns a line naming the kernel that
+    the training's attention, (B, n_head, seq_len, head size) of `dtype`, runs. Raises UserError
+    when the kernel asked for does not run it on `device`."""
+    for name, (flag, _) in SDPA_BACKENDS.items():
+        enabled = config.sdpa_backend in ("auto", name) or name == "math"
+        getattr(torch.backends.cuda, f"enable_{flag}_sdp")(enabled)
+    q = torch.zeros(1, config.n_head, config.seq_len, config.n_embd // config.n_head, device=device,
+                    dtype=dtype)
+    chosen = SDPBackend(torch._fused_sdp_choice(q, q, q, None, config.dropout, True)).name
+    if config.sdpa_backend == "auto":
+        return f"attention: {chosen}, torch's choice of kernel for {device.type} (sdpa_backend=auto)"
+    if chosen != SDPA_BACKENDS[config.sdpa_backend][1]:
+        raise UserError(f"sdpa_backend={config.sdpa_backend}: its kernel does not run this model's "
+                        f"attention on {device} (torch would run {chosen}); pass --sdpa_backend=auto")
+    if config.compile:  # its caches would hand back a graph compiled for another kernel (pytorch#185449)
+        torch._inductor.config.force_disable_caches = True
+    return (f"attention: {chosen}, set by sdpa_backend={config.sdpa_backend}"
+            + ("; torch.compile's caches off, as their keys ignore the kernel" if config.compile else ""))

@@ -149,6 +149,14 @@ def hf_state(file):
     return state
 
 
+def check_weights(state, expected, source):
+    """Raises UserError, naming `source`, unless the state dict `state` loads into a model whose
+    state dict is `expected`."""
+    problems = state_mismatch(state, expected)
+    if problems:
+        raise UserError(f"{source} does not hold the GPT-2 this run builds: {problems}")
+
+
 def state_mismatch(state, expected):
     """What keeps `state` from loading into a model whose state dict is `expected` (on the meta
     device, say): the first missing and unexpected keys and wrong shapes in one line; "" if none."""

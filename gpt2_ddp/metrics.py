@@ -201,19 +201,19 @@ class Metrics:
         log(f"step {step:5d} | {text}")
         self.write({"step": step, **result})
 
-    def train_step(self, step, loss, lr, norm, t0, optimizer, scaler, skipped, overflow):
-        """Reports the step-th update (from 1), begun at time.time() t0: loss (mean of micro-batches), lr,
-        norm (before clipping) and the rest. A loss a nat above the running mean gets its own line."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the GPU's work of the step is done
+    def train_step(self, step, loss, lr, norm, t0, optimizer, loss_scale, skipped, overflow):
+        """Reports the step-th update (from 1), begun at time.time() t0, once its values are read (the
+        GPU's work of the step is then done): loss (mean of micro-batches), lr, norm (before clipping),
+        loss_scale (float16's after the step, else None) and the rest. A loss a nat above the running
+        mean gets its own line."""
         dt = time.time() - t0
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
                   "tokens_per_sec": tokens_per_sec}
         if muon_lrs := [g["lr"] for g in optimizer.param_groups if "splits" in g]:  # Muon's groups
             record["muon_lr"] = muon_lrs[0]
-        if scaler.is_enabled():
-            record["loss_scale"] = scaler.get_scale()
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
         if skipped:
             record["skipped"] = True
         if overflow:
@@ -229,7 +229,7 @@ class Metrics:
         if step > self.start_step + 1:
             self.dt_avg = 0.9 * self.dt_avg + 0.1 * dt if self.dt_avg else dt
         eta = timedelta(seconds=round(min(self.dt_avg * (self.config.max_steps - step), 1e12)))
-        reason = f"float16 overflow, loss scale halved to {scaler.get_scale():g}" if overflow else (
+        reason = f"float16 overflow, loss scale halved to {loss_scale:g}" if overflow else (
             "non-finite loss or gradient")
         log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e}"
             + (f" | muon_lr {record['muon_lr']:.4e}" if "muon_lr" in record else "")

@@ -37,6 +37,11 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def unless(skip, old, new):
+    """Copies new into old, but where the device scalar skip (found_inf) is 1; without a skip, always."""
+    old.copy_(new if skip is None else torch.where(skip > 0, old, new))
+
+
 def when_done(work, result):
     def wait():
         work.wait()
@@ -110,7 +115,9 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every matrix. `closure` is torch.optim's argument, unused."""
+        """One update of every matrix, none where the found_inf attribute (a device scalar, GradScaler's
+        contract with torch's fused optimizers) is 1. `closure` is torch.optim's argument, unused."""
+        skip = getattr(self, "found_inf", None)
         if self.owner is None:
             # a model on the meta device (the memory plan's) is no rank's: it steps alone
             distributed = dist.is_initialized() and not self.param_groups[0]["params"][0].is_meta
@@ -123,7 +130,7 @@ class Muon(torch.optim.Optimizer):
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 grad, buf = local(p.grad), local(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - group["momentum"])
+                unless(skip, buf, buf.lerp(grad, 1 - group["momentum"]))
                 update = grad.lerp(buf, group["momentum"])  # Nesterov
                 sent.append((p, group, self.to_owner(update.bfloat16(), p)))
         returned = []
@@ -137,8 +144,8 @@ class Muon(torch.optim.Optimizer):
             rows, cols = self.whole_shape(p)
             scale = math.sqrt(max(1.0, rows / group["splits"] / cols))
             param = local(p)
-            param.mul_(1 - group["lr"] * group["weight_decay"])
-            param.add_(received(), alpha=-group["lr"] * scale)
+            unless(skip, param, param.mul(1 - group["lr"] * group["weight_decay"]).add_(
+                received(), alpha=-group["lr"] * scale))
 
 
 class Chain:

@@ -71,11 +71,30 @@ def grad_scaler(dtype, sharding, device):
     return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
-def overflowed(scaler, loss, norm):
+def scale(scaler, device):
+    """The loss scale as a device scalar, to be read with the step's other values: get_scale() would
+    read it alone. 1 where the scaler is off."""
+    return scaler._scale if scaler.is_enabled() else torch.ones((), device=device)
+
+
+def overflowed(scaler, loss, norm, scale):
     """Whether an update skipped for a non-finite gradient norm under a finite loss was float16's normal
-    overflow (the scaler then halves its scale); one at a scale under 1 is a divergence."""
+    overflow (the scaler then halves its scale); one at a scale under 1 is a divergence. scale: the
+    scaler's after its update()."""
     return (not math.isfinite(norm) and math.isfinite(loss) and scaler.is_enabled()
-            and scaler.get_scale() >= 0.5)  # halved from 1 or more
+            and scale >= 0.5)  # halved from 1 or more
+
+
+def step_unless(optimizer, skip):
+    """optimizer.step(), leaving every weight and state as they were where the device bool `skip` is
+    true: torch's found_inf, which GradScaler hands to fused AdamW, given to AdamW and Muon alike."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # the swap-ins' optimizer of views
+    found_inf = skip.float()
+    for opt in getattr(inner, "optimizers", [inner]):  # Chain's AdamW and Muon
+        opt.found_inf = found_inf
+    optimizer.step()
+    for opt in getattr(inner, "optimizers", [inner]):
+        del opt.found_inf
 
 
 def diverged(step, skipped, loss, norm, last_saved, config):

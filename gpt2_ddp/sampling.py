@@ -1,8 +1,11 @@
 """What sampling needs beyond GPT's forward: a KVCache, so that each new token runs through the
-model alone (GPT.generate), and the weight layout that CPU decoding reads faster."""
+model alone (GPT.generate), the weight layout that CPU decoding reads faster, and the samples a
+training run prints."""
 
 import torch
 from torch import nn
+
+from gpt2_ddp.tokenizer import gpt2_encoding
 
 
 class KVCache:
@@ -38,3 +41,19 @@ def decoding_layout(model):
             if isinstance(module, nn.Linear):
                 module.weight.data = module.weight.t().contiguous().t()
     return model
+
+
+def training_sample(model, prompt, length, seed, device, autocast, check_stop):
+    """The model's continuation of `prompt` (GPT-2 token ids), `length` tokens drawn from a generator
+    seeded by `seed` under `autocast`, as text. Every rank calls it (FSDP's all-gathers). check_stop()
+    runs before each token (StopSignals.check raises Stopped)."""
+    model.eval()
+    tokens = [torch.tensor([prompt], device=device)]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with autocast:
+        for token in model.generate(tokens[0], length, generator):
+            check_stop()
+            tokens.append(token)
+    tokens = torch.cat(tokens, dim=1)
+    model.train()
+    return gpt2_encoding().decode(tokens[0].tolist())

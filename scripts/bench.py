@@ -9,6 +9,7 @@ MFU, peak GPU memory, where a step's time goes, and one rank's optimizer state a
     python -m scripts.bench configs/shakespeare_cpu.toml --nproc 4 --variants ddp zero2 fsdp
     python -m scripts.bench configs/gpt2_124m.toml --variants adamw muon
     python -m scripts.bench configs/gpt2_124m.toml --variants bfloat16 float16 float32
+    python -m scripts.bench configs/gpt2_124m.toml --variants cudnn flash
 
 Each variant runs train_gpt2.py with the config, its overrides, `--profile=true` and the extra `--key=value`
 arguments, rank 0's trace in {out}/{variant}/trace_rank0.json (docs/perf.md explains the columns). A rerun
@@ -37,6 +38,7 @@ VARIANTS = {
     "bfloat16": ["--dtype=bfloat16"],
     "float16": ["--dtype=float16"],  # with torch's loss scaler
     "float32": ["--dtype=float32"],  # TF32 matmuls on Ampere and later
+    "cudnn": ["--sdpa_backend=cudnn"], "flash": ["--sdpa_backend=flash"],  # attention's kernel
 }
 
 

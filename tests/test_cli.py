@@ -201,3 +201,27 @@ def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfmax_steps = 3\n")
     assert train_gpt2.load_config([str(path)]).max_steps == 3
 
+
+
+def test_the_attention_kernel_is_named_and_one_that_cannot_run_is_one_line(monkeypatch):
+    """The run's start names SDPA's kernel for its attention: torch's choice under auto, which keeps
+    every kernel on; another value keeps that kernel and the math one, turns torch.compile's caches
+    off (their keys ignore the kernel, pytorch#185449) and is refused in one line where it cannot
+    run the model's attention (cuDNN's on a CPU)."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", False)
+    cpu = torch.device("cpu")
+    line = train_gpt2.choose_attention(train_gpt2.load_config(TINY), cpu, torch.float32)
+    assert re.fullmatch(r"attention: [A-Z_]+, torch's choice of kernel for cpu \(sdpa_backend=auto\)", line)
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    assert not torch._inductor.config.force_disable_caches
+    line = train_gpt2.choose_attention(train_gpt2.load_config([*TINY, "--sdpa_backend=math", "--compile=true"]),
+                                       cpu, torch.bfloat16)
+    assert line == ("attention: MATH, set by sdpa_backend=math; torch.compile's caches off, as their "
+                    "keys ignore the kernel")
+    assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch._inductor.config.force_disable_caches
+    with pytest.raises(UserError, match=r"^sdpa_backend=cudnn: its kernel does not run this model's attention "
+                                        r"on cpu \(torch would run MATH\); pass --sdpa_backend=auto$"):
+        train_gpt2.choose_attention(train_gpt2.load_config([*TINY, "--sdpa_backend=cudnn"]), cpu, torch.float32)
+    train_gpt2.choose_attention(train_gpt2.load_config(TINY), cpu, torch.float32)  # as other runs start
+    assert torch.backends.cuda.flash_sdp_enabled()

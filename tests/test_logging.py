@@ -224,8 +224,8 @@ def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(cap
     for group in optimizer.param_groups:  # as the loop sets them for lr 1e-3
         group["lr"] = 1e-3 * group["lr_scale"]
     for step, loss in enumerate([6.0, 6.5, 5.9, 6.0, float("inf"), 7.2, 6.1], start=1):
-        metrics.train_step(step, loss, 1e-3, 1.0, time.time() - 0.1, optimizer,
-                           torch.amp.GradScaler("cpu", enabled=False), not np.isfinite(loss), False)
+        metrics.train_step(step, loss, 1e-3, 1.0, time.time() - 0.1, optimizer, None,
+                           not np.isfinite(loss), False)
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "spike" in line] == [
         "step     6 | loss spike: 7.200000, the running mean is 6.031500"]
@@ -267,14 +267,13 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
     says what it waits for, as does an evaluation; fast ones say nothing."""
     config = load_config([*TINY, "--max_steps=20"])
     optimizer = GPT(config).configure_optimizers(config, "cpu")
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     for slow in (True, False):
         metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), GPT(config), 10)
         metrics.first_wait.interval = 0.2 if slow else 60
         t0 = metrics.step_begins()
         time.sleep(0.4 if slow else 0)
-        metrics.train_step(11, 6.0, 1e-3, 1.0, t0 - 8.7, optimizer, scaler, False, False)
-        metrics.train_step(12, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, scaler, False, False)
+        metrics.train_step(11, 6.0, 1e-3, 1.0, t0 - 8.7, optimizer, None, False, False)
+        metrics.train_step(12, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, None, False, False)
         metrics.close()
         lines = capsys.readouterr().out.splitlines()[-3:]
         assert "eta" not in lines[-2] and lines[-1].endswith("| eta 0:00:04")

@@ -47,6 +47,29 @@ def test_update_equals_torch_optim_muon(shape, splits):
     assert (ours.detach() - start).abs().max() > 0.01  # it moved
 
 
+def test_found_inf_skips_the_update_on_the_device_and_leaves_the_others_bitwise():
+    """GradScaler's found_inf contract, as fused AdamW keeps it: 1 leaves the weights and momentum
+    as they were, even under a non-finite gradient; 0 steps bitwise as without it."""
+    torch.manual_seed(0)
+    start = torch.randn(48, 32)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    optimizers = [Muon([{"params": [p], "weight_decay": 0.1}], lr=0.02) for p in params]
+    for step in range(3):
+        grad = torch.randn(48, 32)
+        for p in params:
+            p.grad = grad.clone()
+        optimizers[0].found_inf = torch.zeros(())
+        for optimizer in optimizers:
+            optimizer.step()
+        assert torch.equal(params[0], params[1])
+    before = (params[0].detach().clone(), optimizers[0].state[params[0]]["momentum_buffer"].clone())
+    params[0].grad = torch.full((48, 32), float("nan"))
+    optimizers[0].found_inf = torch.ones(())
+    optimizers[0].step()
+    assert torch.equal(params[0], before[0])
+    assert torch.equal(optimizers[0].state[params[0]]["momentum_buffer"], before[1])
+
+
 def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values():
     """For G = U diag(s) V^T with s in [0.1, 1] (from torch.linalg.svd), U^T orthogonalize(G) V is
     diagonal to bfloat16 precision, with values in Muon's band of about [0.7, 1.2]."""

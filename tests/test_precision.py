@@ -238,13 +238,14 @@ def test_a_dtype_this_torch_cannot_run_is_one_line(monkeypatch):
 
 
 def test_an_overflow_below_a_loss_scale_of_1_is_a_divergence():
-    """The scale after update(): 0.5 was halved from 1, an overflow of the scaled gradient; 0.25
-    from 0.5, where the gradient overflows unscaled."""
+    """The scale after update(), read on the device with the step's other values: 0.5 was halved
+    from 1, an overflow of the scaled gradient; 0.25 from 0.5, where the gradient overflows unscaled."""
     scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
     scaler.scale(torch.ones(()))  # the scale is set lazily
-    nan = float("nan")
-    assert precision.overflowed(scaler, 2.0, nan) and precision.overflowed(scaler, 2.0, float("inf"))
-    assert not precision.overflowed(scaler, nan, nan) and not precision.overflowed(scaler, 2.0, 1.0)
-    scaler.update(0.25)
-    assert not precision.overflowed(scaler, 2.0, nan)
-    assert not precision.overflowed(torch.amp.GradScaler("cpu", enabled=False), 2.0, nan)
+    nan, scale = float("nan"), precision.scale(scaler, torch.device("cpu"))
+    assert scale.item() == 0.5 and scale.device.type == "cpu"
+    assert precision.overflowed(scaler, 2.0, nan, 0.5) and precision.overflowed(scaler, 2.0, float("inf"), 0.5)
+    assert not precision.overflowed(scaler, nan, nan, 0.5) and not precision.overflowed(scaler, 2.0, 1.0, 0.5)
+    assert not precision.overflowed(scaler, 2.0, nan, 0.25)
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    assert not precision.overflowed(off, 2.0, nan, 1.0) and precision.scale(off, torch.device("cpu")).item() == 1

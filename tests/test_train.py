@@ -312,6 +312,25 @@ def test_loader_state_dict_resumes_position(tmp_path):
         loader(tmp_path, B=5).load_state_dict(a.state_dict())  # 192 tokens read
 
 
+
+def test_a_prefetched_micro_batch_is_the_next_one_and_moves_no_position(tmp_path):
+    """prefetch() reads what next_batch() gives next without moving batch_index (a checkpoint saved
+    after it resumes at the same place); after the position moves back or on, a stale prefetch is
+    not used."""
+    make_shards(tmp_path)
+    a, b = loader(tmp_path, rank=1, world_size=2), loader(tmp_path, rank=1, world_size=2)
+    a.next_batch()
+    b.next_batch()
+    state = a.state_dict()
+    a.prefetch()
+    assert a.state_dict() == state
+    assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+    a.prefetch()
+    a.batch_index -= 2  # as a step that met a changed shard rolls back
+    b.batch_index -= 2
+    assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+    assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+
 # run in a fresh process: the growth of its peak RSS (VmHWM, MiB) over reading 50 micro-batches
 # of 8 x 1024 spread over the shard, as a resumed run jumps to them
 LOADER_RSS = """

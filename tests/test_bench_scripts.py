@@ -1,13 +1,14 @@
-"""Smoke tests of tests/bench_sample.py's main."""
+"""Smoke tests of tests/bench_sample.py's main, and of tests/bench_kernels.py's rivals."""
 
 import re
 import sys
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from gpt2_ddp.configurator import UserError
-from tests import bench_sample
+from tests import bench_kernels, bench_sample
 
 
 def test_bench_sample_times_ours_against_transformers_on_the_same_weights(capsys):
@@ -56,3 +57,27 @@ def test_bench_sample_without_a_gpu_refuses_devices_cuda_in_one_line():
     with pytest.raises(UserError, match="^--devices cuda: torch sees no CUDA device here; pass "
                                         "--devices cpu$"):
         bench_sample.main(["--devices", "cuda"])
+
+
+def test_the_chunked_loss_head_is_cross_entropy_of_whole_logits_and_attention_rows_print(capsys):
+    """bench_kernels' chunked linear + cross-entropy against F.cross_entropy on the whole logits of
+    the same bfloat16 matmul: the loss to float32 rounding (1e-6), the gradients to bfloat16's (1e-2,
+    the chunks' weight gradient summed in another order); the attention rows name each kernel, one
+    that does not run on the CPU said so."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(96, 32, requires_grad=True), (torch.randn(200, 32) * 0.1).requires_grad_()
+    y = torch.randint(0, 200, (96,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = F.cross_entropy((x @ weight.t()).float(), y)
+    whole.backward()
+    expected = (whole.detach(), x.grad.clone(), weight.grad.clone())
+    x.grad = weight.grad = None
+    chunked = bench_kernels.ChunkedLinearCrossEntropy.apply(x, weight, y, 40)  # 40, 40, 16 rows
+    chunked.backward()
+    torch.testing.assert_close(chunked.detach(), expected[0], rtol=1e-6, atol=0)
+    for got, want in zip((x.grad, weight.grad), expected[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+    bench_kernels.attention_rows(type("Args", (), dict(micro_batch_size=1, n_head=2, seq_len=8, n_embd=8)),
+                                 torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "cudnn          does not run on cpu" in out and re.search(r"flash +\d+\.\d+ +\d+\.\d+", out)

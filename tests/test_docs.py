@@ -94,7 +94,7 @@ def test_every_flag_the_docs_name_exists(capsys):
     for path in sorted((ROOT / "scripts").glob("[a-z]*.py")):
         flags = flags_of(importlib.import_module(f"scripts.{path.stem}").main, capsys)
         takes[f"scripts.{path.stem}"] = flags | (config_keys if path.stem in PASS_ON else set())
-    for name in ("bench_data_order", "compare_data_orders", "bench_sample"):  # the measurements docs/ cite
+    for name in ("bench_data_order", "compare_data_orders", "bench_sample", "bench_kernels"):  # docs/ cite them
         takes[f"tests.{name}"] = flags_of(importlib.import_module(f"tests.{name}").main, capsys)
     anywhere = set().union(*takes.values(), OTHER_TOOLS)
     unknown = [f"{doc.name}: {flag}" for doc in DOCS

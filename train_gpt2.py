@@ -442,8 +442,7 @@ def memory_counts(config):
 
 def build_model(config, device, pretrained_state=None):
     """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
-    loaded from pretrained_state, its attention kernel chosen and named (choose_attention)."""
-    log(choose_attention(config, device, precision.DTYPES[config.dtype]))
+    loaded from pretrained_state."""
     torch.manual_seed(config.seed)
     model = GPT(config).to(device)
     if pretrained_state is not None:
@@ -870,6 +869,7 @@ def train(config, rank, world_size, device):
     config, train_loader, val_loader = make_loaders(config, rank, world_size, device)
 
     autocast = precision.autocast(config.dtype, device)
+    log(choose_attention(config, device, precision.DTYPES[config.dtype]))
     scaler = precision.grad_scaler(config.dtype, config.sharding, device)  # off but for float16
     raw_model = build_model(config, device, pretrained_state)
     model, optimizer, clip_grad_norm_ = parallelize(raw_model, config, device)
@@ -948,7 +948,9 @@ def train(config, rank, world_size, device):
         if step + 1 < config.max_steps:  # the next step's first micro-batch, read while the GPU works
             train_loader.prefetch()
         loss_value, stops, norm, changes, loss_scale = results.tolist()  # the step's one host read
-        if changes:  # no rank updated: each saves the weights of `step`, which no changed token reached
+        # no rank updated: each saves the weights of `step`, which no changed token reached (float16's
+        # loss scaler has counted the step)
+        if changes:
             train_loader.batch_index -= micro_batches_per_step
             save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader, measure)
             agreed(train_loader.raise_changed)

@@ -7,8 +7,8 @@ just before unscale_, element 0 of the first parameter's gradient becomes inf wh
 holds it. That is every rank in ddp, whose gradients are all-reduced, and rank 0 in zero2 and fsdp,
 whose slice or rows hold it: an overflow in one rank's part of the model, which every rank must
 agree to skip. Every world size and mode thus overflows in the same element of the same steps.
-The records, per update: the loss scale after update() and whether the optimizer stepped; the
-script writes them to PROBE_OUT/rank{RANK}.json.
+The records, per update: the loss scale after update() and whether the update moved the first
+parameter; the script writes them to PROBE_OUT/rank{RANK}.json.
 """
 
 import json
@@ -16,6 +16,8 @@ import math
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 from gpt2_ddp import precision
 import train_gpt2
@@ -26,6 +28,15 @@ def instrument(overflow_steps, rank):
     returns (the records, a function that undoes it)."""
     records, grad_scaler = [], precision.grad_scaler
 
+    def record_step(optimizer):
+        """Steps, recording whether the update moved this rank's part of the first parameter: the
+        loop always calls step(), which skips on the device."""
+        first = optimizer.param_groups[0]["params"][0]
+        local = first.to_local() if hasattr(first, "to_local") else first
+        before = local.detach().clone()
+        optimizer.unprobed_step()
+        records[-1]["stepped"] = not torch.equal(before, local)
+
     def probed_grad_scaler(dtype, sharding, device):
         scaler = grad_scaler(dtype, sharding, device)
         unscale_, update = scaler.unscale_, scaler.update
@@ -34,7 +45,7 @@ def instrument(overflow_steps, rank):
             records.append({"stepped": False})
             if not hasattr(optimizer, "unprobed_step"):
                 optimizer.unprobed_step = optimizer.step
-                optimizer.step = lambda: (records[-1].update(stepped=True), optimizer.unprobed_step())
+                optimizer.step = lambda: record_step(optimizer)
             if len(records) in overflow_steps and (rank == 0 or sharding == "ddp"):
                 grad = optimizer.param_groups[0]["params"][0].grad
                 (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.inf

@@ -89,11 +89,11 @@ def step_unless(optimizer, skip):
     """optimizer.step(), leaving every weight and state as they were where the device bool `skip` is
     true: torch's found_inf, which GradScaler hands to fused AdamW, given to AdamW and Muon alike."""
     inner = getattr(optimizer, "optimizer", optimizer)  # the swap-ins' optimizer of views
-    found_inf = skip.float()
-    for opt in getattr(inner, "optimizers", [inner]):  # Chain's AdamW and Muon
+    torch_optimizers, found_inf = getattr(inner, "optimizers", [inner]), skip.float()  # Chain's two
+    for opt in torch_optimizers:
         opt.found_inf = found_inf
     optimizer.step()
-    for opt in getattr(inner, "optimizers", [inner]):
+    for opt in torch_optimizers:
         del opt.found_inf
 
 

@@ -54,8 +54,10 @@ def read_tokens(path):
 
 
 def pread_tokens(f, start, n):
-    """Tokens [start, start + n) of the open shard `f`, by pread: an (n,) uint16 array, cut at its end."""
-    return np.frombuffer(os.pread(f.fileno(), 2 * n, HEADER_INTS * 4 + 2 * start), dtype="<u2")
+    """Tokens [start, start + n) of the open shard `f`, by pread: an (n,) uint16 array, cut at its end
+    (a file cut to an odd size under the reader loses the half token)."""
+    data = os.pread(f.fileno(), 2 * n, HEADER_INTS * 4 + 2 * start)
+    return np.frombuffer(data[:len(data) - len(data) % 2], dtype="<u2")
 
 
 def read_shard_header(path):

@@ -117,8 +117,8 @@ def test_a_data_dir_that_is_a_file_is_named(tmp_path):
 
 def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(tmp_path):
     """Where prepare_data.py's manifest is, a shard it does not list, or one it lists that is
-    missing or of another size in bytes, is refused before any training (not one of another
-    mtime: cp gives a copy a new one). Shards without a manifest, as llm.c makes them, are read."""
+    missing or of another size in bytes, longer or shorter, is refused before any training (not one
+    of another mtime: cp gives a copy a new one). Shards without a manifest, as llm.c makes them, are read."""
     (tmp_path / "a.txt").write_text("Hello world, hello world, hello world. " * 20)
     data = tmp_path / "data"
     prepare_data.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(data), "--workers", "1",
@@ -140,9 +140,18 @@ def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(t
     with pytest.raises(UserError, match=f"^{re.escape(f'{train[1]}, which a_manifest.json lists, is missing{rerun}')}$"):
         split_paths(data, "val", required=True)
     (tmp_path / "moved.bin").rename(train[1])
+    listed = train[1].read_bytes()
     sized_over_header(train[1])
     with pytest.raises(UserError, match=f"^{train[1]} is 1126 bytes, not the 1124 a_manifest.json lists{rerun}$"):
         split_paths(data, "train", required=True)
+    shorter = f"{train[1]} is 1122 bytes, not the 1124 a_manifest.json lists{rerun}"
+    # cut short in place, then rewritten shorter with a header that agrees, which only the manifest tells
+    for cut in (lambda: os.truncate(train[1], 1122),
+                lambda: write_shard(train[1], np.frombuffer(listed[1024:-2], dtype="<u2"))):
+        train[1].write_bytes(listed)
+        cut()
+        with pytest.raises(UserError, match=f"^{re.escape(shorter)}$"):
+            split_paths(data, "train", required=True)
     (data / "a_manifest.json").unlink()
     assert split_paths(data, "train", required=True) == train
 

@@ -143,6 +143,8 @@ def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_p
 
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
                                                                                       monkeypatch):
+    """The .docs.npy index beside a shard is read instead of the shard while the shard's size and
+    mtime are those it records, and made again for new shards or a same-size rewrite in place."""
     from gpt2_ddp import shards
     write_documents(tmp_path)
     first = shuffled(tmp_path)
@@ -155,3 +157,33 @@ def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_s
     stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
     assert all(stream[s] == EOT_TOKEN for s in shuffled(tmp_path).rows.starts(0, 50))
     assert rows(shuffled(tmp_path), 50) != rows(first, 50)
+    # the same size, the documents moved: an index that matched by size alone would start rows mid-document
+    path = tmp_path / "docs_train_000001.bin"
+    before, moved = path.stat(), np.roll(shards.read_tokens(path), 3)
+    with open(path, "r+b") as f:
+        f.seek(1024)
+        f.write(moved.tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # past the clock's tick
+    assert path.stat().st_size == before.st_size
+    stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
+    loader = shuffled(tmp_path)
+    assert all(stream[s] == EOT_TOKEN for s in loader.rows.starts(0, len(loader.rows)))
+
+
+def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_path):
+    """Documents of T + 1 tokens: every one is a row, the last of each shard ending at its last
+    token; a document start T tokens before a shard's end starts none."""
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[EOT_TOKEN], markov_tokens(rng, T, 512)]) for _ in range(11)]
+    parts = [np.concatenate(docs[:5]), np.concatenate(docs[5:9]),
+             np.concatenate([*docs[9:], [EOT_TOKEN], markov_tokens(rng, T - 1, 512)])]
+    write_shard(tmp_path / "docs_val_000000.bin", parts[0])
+    for i, part in enumerate(parts):
+        write_shard(tmp_path / f"docs_train_{i + 1:06d}.bin", part)
+    stream = np.concatenate(parts)
+    loader = shuffled(tmp_path)
+    assert sorted(loader.rows.starts(0, len(loader.rows))) == list(range(0, 11 * (T + 1), T + 1))
+    for g in range(11):
+        s = loader.rows.starts(g, 1)[0]
+        x, y = loader.next_batch()
+        assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()

@@ -4,8 +4,10 @@ from (seed, step, m), m the micro-batch's number within the step, counted across
 The equivalence tests cannot see a seed that leaves m out: every micro-batch of a step would then
 draw the same masks, at every world size alike, and world sizes 1, 2 and 4 would still train the
 same bits. These tests run train() in-process, without a process group (each rank then trains on
-its own micro-batches alone, which leaves the masks as they are), as rank 0 of world size 1 with 2
-micro-steps and as ranks 0 and 1 of world size 2 with 1, and record what each training forward drew.
+its own micro-batches alone, which leaves the masks as they are), as rank 0 of world size 1 with 4
+micro-steps and as ranks 0 and 1 of world size 2 with 2 each, and record what each training forward
+drew. Micro-step k of rank r reads global micro-batch k * world_size + r; with several micro-steps
+per rank, a seed numbered otherwise (rank * grad_accum + k, say) draws another micro-batch's masks.
 """
 
 import signal
@@ -20,7 +22,7 @@ import train_gpt2
 from gpt2_ddp.collectives import STOP_SIGNALS
 
 B, T = 2, 16  # TINY's micro-batch
-ARGS = [*TINY, "--dropout=0.1", "--exact_reduction=true", f"--total_batch_size={2 * B * T}",
+ARGS = [*TINY, "--dropout=0.1", "--exact_reduction=true", f"--total_batch_size={4 * B * T}",
         "--max_steps=2", "--eval_interval=0", "--device=cpu"]
 
 
@@ -65,25 +67,29 @@ def recorded(tmp_path_factory):
 
 
 def test_each_micro_batch_of_each_step_draws_its_own_masks(recorded):
-    """At world size 1 with 2 micro-steps, the 4 forwards of 2 steps (step 0 micro-batches 0, 1,
-    step 1 micro-batches 0, 1) run under 4 different seeds and draw 4 different sets of masks."""
+    """At world size 1 with 4 micro-steps, the 8 forwards of 2 steps (step 0 micro-batches 0 to 3,
+    step 1 micro-batches 0 to 3) run under 8 different seeds and draw 8 different sets of masks."""
     forwards = recorded[1, 0]
-    assert len(forwards) == 4
-    names = [f"step {step} micro-batch {m}" for step in (0, 1) for m in (0, 1)]
+    assert len(forwards) == 8
+    names = [f"step {step} micro-batch {m}" for step in (0, 1) for m in range(4)]
     for i, (_, mask) in enumerate(forwards):
         assert 0.05 < mask.float().mean() < 0.15  # dropout 0.1 is on
         for j in range(i):
             assert not torch.equal(mask, forwards[j][1]), f"{names[j]} and {names[i]} share their masks"
-    assert len({seed for seed, _ in forwards}) == 4
+    assert len({seed for seed, _ in forwards}) == 8
 
 
 def test_a_micro_batch_draws_the_same_masks_at_any_world_size(recorded):
-    """Global micro-batch m of a step draws the same masks as rank 0 of world size 1 (micro-step m)
-    and as rank m of world size 2 (micro-step 0), in exact mode, at steps 0 and 1."""
+    """Global micro-batch m of a step draws the same masks and seed at world size 1 (micro-step m of
+    4) as at world size 2 (rank m % 2, micro-step m // 2 of 2), in exact mode, at steps 0 and 1."""
+    alone = recorded[1, 0]
     for rank in (0, 1):
-        alone = recorded[1, 0][rank::2]  # micro-batch `rank` of steps 0 and 1
         split = recorded[2, rank]
-        assert len(split) == 2
+        assert len(split) == 4
         for step in (0, 1):
-            assert torch.equal(split[step][1], alone[step][1]), f"step {step} micro-batch {rank}: other masks"
-            assert split[step][0] == alone[step][0], f"step {step} micro-batch {rank}: other seeds"
+            for micro_step in (0, 1):
+                m = micro_step * 2 + rank  # the global micro-batch this rank reads
+                where = f"step {step} micro-batch {m} (rank {rank}, micro-step {micro_step})"
+                (seed_2, mask_2), (seed_1, mask_1) = split[step * 2 + micro_step], alone[step * 4 + m]
+                assert torch.equal(mask_2, mask_1), f"{where}: other masks"
+                assert seed_2 == seed_1, f"{where}: other seeds"

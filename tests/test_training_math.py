@@ -1,7 +1,10 @@
 """The arithmetic of a training step, against what it should be: the gradient is the mean loss's
 over the whole batch, however it is split into ranks and micro-steps; the learning rate follows
-its schedule; weight decay falls on the 2-D weights alone; a non-finite step changes nothing."""
+its schedule; weight decay falls on the 2-D weights alone; a non-finite step changes nothing;
+float16 logs float32's gradient norm; the val loss is the mean over val_batches at any world size."""
 
+import contextlib
+import io
 import math
 
 import numpy as np
@@ -12,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import train_gpt2
 from conftest import TINY, read_log, run_training
-from gpt2_ddp import checkpoints
+from gpt2_ddp import checkpoints, precision
 
 STEPS = 4
 # 4 micro-batches of 2 x 16 tokens a step: 4 micro-steps on one process, 2 on each of two ranks
@@ -72,6 +75,74 @@ def test_step_1_grad_norm_is_that_of_the_mean_loss(runs, data_dir, name):
     config = train_gpt2.load_config([*ARGS, f"--data_dir={data_dir}"])
     assert runs[name][0]["grad_norm"] == pytest.approx(mean_loss_grad_norm(data_dir, config),
                                                        rel=1e-5)
+
+
+def test_float16_logs_the_grad_norm_of_float32(runs, data_dir, tmp_path, one_thread):
+    """float16 unscales the gradient before it clips and logs its norm: ARGS trained under float16's
+    loss scaler (scale 65536) log the gradient norms of the float32 run on the same weights and
+    batches (runs' 1x4) to float16's rounding (rtol 1e-2), and above grad_clip, where clipping acts.
+    A norm taken of the scaled gradient is 65536 times as large."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train_gpt2.main([*ARGS, "--dtype=float16", f"--data_dir={data_dir}",
+                                f"--out_dir={tmp_path}"]) == 0
+    steps = read_log(tmp_path)[0]
+    assert [s["loss_scale"] for s in steps] == [2.0**16] * STEPS
+    float32 = [r["grad_norm"] for r in runs["1x4"]]
+    assert min(float32) > train_gpt2.Config.grad_clip
+    np.testing.assert_allclose([s["grad_norm"] for s in steps], float32, rtol=1e-2)
+
+
+def evaluate_on_ranks(model, data_dir, val_batches, world_size, monkeypatch):
+    """(each rank's val loss, the global micro-batches each rank read) of train_gpt2.evaluate() run in
+    this process as every rank of `world_size` in turn, its all-reduce summing every rank's sums:
+    one pass gathers each rank's sums, a second hands each rank their total."""
+    loaders = [train_gpt2.DataLoader(data_dir, "val", 2, 16, rank, world_size, torch.device("cpu"))
+               for rank in range(world_size)]
+    read = [[] for _ in loaders]
+
+    def recording(get_batch, batches):
+        def get(g):
+            batches.append(g)
+            return get_batch(g)
+        return get
+
+    for loader, batches in zip(loaders, read):
+        monkeypatch.setattr(loader, "get_batch", recording(loader.get_batch, batches))
+    sums = []
+    monkeypatch.setattr(train_gpt2.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(train_gpt2.dist, "all_reduce", lambda total: sums.append(total.clone()))
+    autocast = precision.autocast("float32", torch.device("cpu"))
+    for loader in loaders:
+        train_gpt2.evaluate(model, loader, val_batches, autocast, torch.float32)
+    monkeypatch.setattr(train_gpt2.dist, "all_reduce", lambda total: total.copy_(sum(sums)))
+    for batches in read:
+        batches.clear()
+    losses = [train_gpt2.evaluate(model, loader, val_batches, autocast, torch.float32) for loader in loaders]
+    return losses, read
+
+
+@pytest.mark.parametrize("val_batches, world_size", [(3, 2), (5, 4)])
+def test_the_val_loss_is_the_mean_over_val_batches_at_any_world_size(data_dir, monkeypatch, val_batches,
+                                                                     world_size):
+    """Every rank's val loss is the mean cross-entropy over exactly the first val_batches micro-batches
+    of the val split, computed apart from evaluate() in one forward of their tokens read straight
+    from the shard (rtol 1e-5, float32 rounding), where val_batches does not divide over the ranks
+    too: micro-batch g is read on rank g % world_size, every rank reads as many, and those past
+    val_batches weigh nothing."""
+    config = train_gpt2.load_config(TINY)
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(config)
+    losses, read = evaluate_on_ranks(model, data_dir, val_batches, world_size, monkeypatch)
+    per_rank = math.ceil(val_batches / world_size)
+    assert read == [list(range(rank, per_rank * world_size, world_size)) for rank in range(world_size)]
+    tokens = np.fromfile(data_dir / "tiny_val_000000.bin", dtype="<u2", offset=1024).astype(np.int64)
+    stream = torch.from_numpy(tokens[:val_batches * 2 * 16 + 1])
+    model.eval()
+    with torch.no_grad():
+        logits, _ = model(stream[:-1].view(-1, 16))
+    expected = F.cross_entropy(logits.view(-1, logits.size(-1)), stream[1:]).item()
+    for loss in losses:
+        assert loss == pytest.approx(expected, rel=1e-5)
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():

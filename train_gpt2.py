@@ -831,17 +831,19 @@ def update(optimizer, scaler, clip_grad_norm_, raw_model, lr, config, loss_and_f
     """Queues the step's update, reading nothing on the host: lr set, the gradient unscaled (float16)
     and clipped, the optimizer stepped unless the loss or the gradient norm is not finite or a rank
     met a changed shard, and the loss scaler updated. loss_and_flags: the all-reduced (loss sum,
-    stops, changes). Returns (mean loss, stops, norm, changes, loss scale) as one float32 tensor, for
-    the step's one host read."""
+    stops, changes, then the sum of each of a fork's extra_metrics). Returns (mean loss, stops, norm,
+    changes, loss scale, then each extra metric's mean over the micro-batches) as one float32 tensor,
+    for the step's one host read."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
     scaler.unscale_(optimizer)  # clipping sees the unscaled gradient
     norm = clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-    loss_sum, stops, changes = loss_and_flags
+    loss_sum, stops, changes = loss_and_flags[:3]
     loss = loss_sum / micro_batches
     precision.step_unless(optimizer, ~(torch.isfinite(loss) & torch.isfinite(norm)) | (changes > 0))
     scaler.update()  # halves the scale after an overflow, doubles it after 2000 clean steps
-    return torch.stack([loss, stops, norm, changes, precision.scale(scaler, norm.device)]).float()
+    return torch.cat([torch.stack([loss, stops, norm, changes, precision.scale(scaler, norm.device)]),
+                      loss_and_flags[3:] / micro_batches]).float()
 
 
 # -----------------------------------------------------------------------------
@@ -917,7 +919,7 @@ def train(config, rank, world_size, device):
 
         t0 = metrics.step_begins()
         optimizer.zero_grad(set_to_none=True)
-        loss_accum = torch.zeros((), device=device, dtype=sum_dtype)
+        loss_accum, extras = torch.zeros((), device=device, dtype=sum_dtype), {}
         for micro_step in range(grad_accum):
             last_micro_step = micro_step == grad_accum - 1
             with record_function("data"):
@@ -932,13 +934,16 @@ def train(config, rank, world_size, device):
                 with autocast, record_function("forward"):
                     _, loss = model(x, y)
                 loss_accum += loss.detach()
+                # a fork's own scalars (0-d tensors its forward puts in extra_metrics), summed as the loss
+                extras = {k: v.detach().to(sum_dtype) + extras.get(k, 0)
+                          for k, v in getattr(raw_model, "extra_metrics", {}).items()}
                 loss = loss / loss_divisor
                 with record_function("backward"):
                     scaler.scale(loss).backward()
         # the loss summed over ranks, and how many ranks were asked to stop or met a changed shard,
         # in one all-reduce (setting an element takes the host's value without a sync)
         flags[0], flags[1] = len(stop_signals), train_loader.changed is not None
-        loss_and_flags = torch.cat([loss_accum[None], flags])
+        loss_and_flags = torch.cat([loss_accum[None], flags, *(v[None] for v in extras.values())])
         if dist.is_initialized():
             dist.all_reduce(loss_and_flags, op=dist.ReduceOp.SUM)
         lr = get_lr(step, config)
@@ -947,7 +952,7 @@ def train(config, rank, world_size, device):
                              micro_batches_per_step)
         if step + 1 < config.max_steps:  # the next step's first micro-batch, read while the GPU works
             train_loader.prefetch()
-        loss_value, stops, norm, changes, loss_scale = results.tolist()  # the step's one host read
+        loss_value, stops, norm, changes, loss_scale, *extra_values = results.tolist()  # the one host read
         # no rank updated: each saves the weights of `step`, which no changed token reached (float16's
         # loss scaler has counted the step)
         if changes:
@@ -959,7 +964,8 @@ def train(config, rank, world_size, device):
         overflow = precision.overflowed(scaler, loss_value, norm, loss_scale)
         skipped = 0 if finite else skipped + (not overflow)
         metrics.train_step(step + 1, loss_value, lr, norm, t0, optimizer,
-                           loss_scale if scaler.is_enabled() else None, not finite, overflow)
+                           loss_scale if scaler.is_enabled() else None, not finite, overflow,
+                           dict(zip(extras, extra_values)))
         if skipped == MAX_SKIPPED_STEPS:  # every rank sees the same all-reduced values
             raise precision.diverged(step + 1, skipped, loss_value, norm, last_saved, config)
         stop = stops > 0

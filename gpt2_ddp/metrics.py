@@ -201,11 +201,14 @@ class Metrics:
         log(f"step {step:5d} | {text}")
         self.write({"step": step, **result})
 
-    def train_step(self, step, loss, lr, norm, t0, optimizer, loss_scale, skipped, overflow):
+    def train_step(self, step, loss, lr, norm, t0, optimizer, loss_scale, skipped, overflow, extras=None):
         """Reports the step-th update (from 1), begun at time.time() t0, once its values are read (the
         GPU's work of the step is then done): loss (mean of micro-batches), lr, norm (before clipping),
         loss_scale (float16's after the step, else None) and the rest. A loss a nat above the running
-        mean gets its own line."""
+        mean gets its own line. extras: {name: float} of a fork's own values (the loop's: the means of
+        what the model's forward puts in its `extra_metrics` dict), each logged under its name: last
+        in the record, after the norm on the console line. Raises ValueError for a name that the
+        record has already (loss, lr...)."""
         dt = time.time() - t0
         tokens_per_sec = self.config.total_batch_size / dt
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "dt_ms": dt * 1000,
@@ -224,6 +227,10 @@ class Metrics:
             record["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if step == self.start_step + 1:
             record["optimizer_state_bytes"] = state_bytes(optimizer)  # rank 0's
+        extras = extras or {}
+        if clashes := sorted(extras.keys() & record.keys()):
+            raise ValueError(f"extra_metrics names {clashes}, which the record of a step has already")
+        record |= extras
         self.first_wait.cancel()
         # the ETA averages the step times after the first (compilation, warm-up), evals aside
         if step > self.start_step + 1:
@@ -233,7 +240,8 @@ class Metrics:
             "non-finite loss or gradient")
         log(f"step {step:5d}/{self.config.max_steps} | loss: {loss:.6f} | lr {lr:.4e}"
             + (f" | muon_lr {record['muon_lr']:.4e}" if "muon_lr" in record else "")
-            + f" | norm: {norm:.4f} | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
+            + f" | norm: {norm:.4f}" + "".join(f" | {name}: {value:.4g}" for name, value in extras.items())
+            + f" | dt: {dt * 1000:.2f}ms | tok/sec: {tokens_per_sec:.2f}"
             + (f" | mfu: {record['mfu'] * 100:.1f}%" if self.peak else "")
             + (f" | eta {eta}" if self.dt_avg else "")
             + (f" | update skipped: {reason}" if skipped else ""))

@@ -1,6 +1,7 @@
 """
 Plots runs' log.jsonl into one PNG, overlaid and named by directory: train and val loss, HellaSwag
-acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient norm.
+acc_norm against GPT-2 124M's and GPT-3 125M's, learning rate, tokens/s, MFU and gradient norm, then
+a panel for each other number the logs hold (a fork's own values, muon_lr, mem_gb, loss_scale...).
 
     python -m scripts.plot out/shakespeare_cpu                       # writes out/shakespeare_cpu/plot.png
     python -m scripts.plot out/run_a out/run_b/log.jsonl --out compare.png
@@ -25,11 +26,19 @@ PANELS = [  # (title, log key, y scale)
     ("loss", "loss", "linear"), ("HellaSwag acc_norm", "hellaswag_acc_norm", "linear"),
     ("learning rate", "lr", "linear"), ("tokens/s", "tokens_per_sec", "linear"),
     ("MFU (%)", "mfu", "linear"), ("gradient norm", "grad_norm", "log")]
+# logged numbers with no panel of their own: val_loss is in the loss panel, dt_ms is tokens/s,
+# optimizer_state_bytes comes once and hellaswag_examples is a count
+NOT_DRAWN = {"step", "val_loss", "dt_ms", "optimizer_state_bytes", "hellaswag_examples"}
+
+
+def number(value):
+    """Whether a value is a float (numpy's too) or an int64-sized int; a bool is neither."""
+    return isinstance(value, float) or type(value) is int and abs(value) < 2**63
 
 
 def series(records, key):
     """(steps, values) numpy arrays of the records holding a finite `key`: a NaN ends a moving average."""
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
+    points = [(r["step"], r[key]) for r in records if number(r.get(key)) and math.isfinite(r[key])]
     return np.array([p[0] for p in points]), np.array([p[1] for p in points], dtype=float)
 
 
@@ -67,11 +76,17 @@ def save_png(fig, out):
 
 
 def plot(runs, out):
-    """Draws `runs` ({label: records}) into the PNG `out`, a panel for each key that some record holds
-    (the loss panel always). Raises UserError without matplotlib."""
+    """Draws `runs` ({label: records}) into the PNG `out`, a panel for each key of PANELS that some
+    record holds (the loss panel always), then one titled by its key for each other key under which
+    some record holds a finite number, but NOT_DRAWN's, in the order the logs first hold them.
+    Raises UserError without matplotlib."""
     plt = pyplot()
     panels = [panel for panel in PANELS if panel[1] == "loss" or any(
         len(series(records, panel[1])[0]) for records in runs.values())]
+    drawn = NOT_DRAWN | {key for _, key, _ in PANELS}
+    panels += [(key, key, "linear") for key in dict.fromkeys(
+        key for records in runs.values() for r in records for key, value in r.items()
+        if key not in drawn and number(value) and math.isfinite(value))]
     rows, columns = math.ceil(len(panels) / 3), min(len(panels), 3)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), sharex=True, squeeze=False)
     for ax in axes.flat[len(panels):]:
@@ -116,7 +131,7 @@ def plot(runs, out):
 def plottable(record):
     """Whether a record has a finite step, and an int64-sized number (no bool) or null under each key."""
     values = [record.get(key) for key in ("step", "val_loss", *(key for _, key, _ in PANELS))]
-    return (all(v is None or type(v) is float or type(v) is int and abs(v) < 2**63 for v in values)
+    return (all(v is None or number(v) for v in values)
             and values[0] is not None and math.isfinite(values[0]))
 
 

@@ -283,3 +283,58 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
             time.sleep(0.4 if slow else 0)
         time.sleep(0.3)
         assert capsys.readouterr().out == ("waiting for the val loss\n" if slow else "")
+
+
+def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_path, tiny_data, monkeypatch,
+                                                                           one_thread, capsys):
+    """A fork (a z-loss added to GPT's loss) puts its value in `extra_metrics` from its forward,
+    touching nothing else: each step's `z_loss` is the mean over its 2 micro-batches (==), in
+    log.jsonl, on the console line, in TensorBoard and in what wandb gets, and the step still reads
+    the device once. A name the record has already is refused."""
+    pytest.importorskip("tensorboard")
+    drawn = []  # each training forward's z-loss, a 0-d tensor
+
+    class ZLossGPT(GPT):
+        def forward(self, idx, targets=None, cache=None):
+            logits, loss = super().forward(idx, targets, cache)
+            if targets is not None:
+                z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+                self.extra_metrics = {"z_loss": z}
+                if self.training and type(z) is torch.Tensor:  # not the memory plan's fake tensors
+                    drawn.append(z.detach())
+                loss = loss + 1e-4 * z
+            return logits, loss
+
+    events = []
+
+    def recording(what, function):
+        def record(*args, **kwargs):
+            events.append(what)
+            return function(*args, **kwargs)
+        return record
+
+    monkeypatch.setattr(train_gpt2, "GPT", ZLossGPT)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):  # a tensor's value to the host
+        monkeypatch.setattr(torch.Tensor, name, recording("read", getattr(torch.Tensor, name)))
+    monkeypatch.setattr(train_gpt2.Metrics, "step_begins", recording("begin", train_gpt2.Metrics.step_begins))
+    monkeypatch.setattr(train_gpt2.Metrics, "train_step", recording("log", train_gpt2.Metrics.train_step))
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    out = tmp_path / "out"
+    train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--total_batch_size=64",
+                      "--max_steps=2", "--tensorboard=true", "--wandb_log=true"])
+    assert [s.split("log")[0].split() for s in " ".join(events).split("begin")[1:]] == [["read"]] * 2
+    records = runs.read_log(out)
+    steps = [r for r in records if "loss" in r]
+    assert [r["z_loss"] for r in steps] == [((drawn[i] + drawn[i + 1]) / 2).item() for i in (0, 2)]
+    assert len(drawn) == 4
+    lines = [line for line in capsys.readouterr().out.splitlines() if "/2 |" in line]
+    assert [f"| norm: {r['grad_norm']:.4f} | z_loss: {r['z_loss']:.4g} | dt: " in line
+            for r, line in zip(steps, lines)] == [True, True]
+    assert [call[1] for call in calls if call[0] == "log"] == records
+    assert_tensorboard_shows(out / "tensorboard", records)
+    config = load_config(TINY)
+    metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), GPT(config), 0)
+    with pytest.raises(ValueError, match=r"^extra_metrics names \['lr'\], which the record of a step"):
+        metrics.train_step(1, 6.0, 1e-3, 1.0, time.time(), GPT(config).configure_optimizers(config, "cpu"),
+                           None, False, False, {"z_loss": 1.0, "lr": 2.0})

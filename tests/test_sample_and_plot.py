@@ -300,6 +300,24 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     assert len(figures[1].axes[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
 
 
+def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path, monkeypatch):
+    """A fork's `z_loss` and Muon's `muon_lr` get a panel each, in the order the log first holds
+    them, with their numbers at their steps; bools, text, the numbers shown elsewhere (val_loss,
+    dt_ms) and the once-logged optimizer_state_bytes get none."""
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+    steps = [{"step": 1, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "dt_ms": 75.0, "muon_lr": 0.02,
+              "optimizer_state_bytes": 4096, "skipped": True, "note": "text"},
+             *({"step": s, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "dt_ms": 75.0, "muon_lr": 0.02,
+                "z_loss": 40.0 + s} for s in (2, 3)),
+             {"step": 3, "val_loss": 2.5}, {"step": 4, "z_loss": "n/a"}, {"step": 5, "z_loss": None}]
+    plot.main([str(write_log(tmp_path / "run", steps))])
+    titles = [ax.get_title() for ax in figures[0].axes]
+    assert titles == ["loss", "learning rate", "gradient norm", "muon_lr", "z_loss"]
+    (z_loss,) = figures[0].axes[4].lines
+    assert list(z_loss.get_xdata()) == [2, 3] and list(z_loss.get_ydata()) == [42.0, 43.0]
+
+
 def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):
     """A NaN or infinite loss is a gap in the raw and smoothed curves, not their end; a log with
     val losses alone draws them."""

@@ -2,6 +2,7 @@
 fork of the model with rotary position embeddings (RopeGPT)."""
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -12,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -203,73 +203,87 @@ def hf_tiny(tmp_path_factory):
     return path
 
 
+def train_here(args):
+    """train_gpt2.main(args) in this process on one torch thread, as run_training's process would run
+    it, its console captured; the float32 matmul precision that main() sets for the whole process
+    restored after. Returns the console (str); raises what main() raises, or AssertionError for a
+    non-zero exit code."""
+    precision, console = torch.get_float32_matmul_precision(), io.StringIO()
+    try:
+        with one_torch_thread(), contextlib.redirect_stdout(console):
+            code = train_gpt2.main(args)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert code == 0, console.getvalue()
+    return console.getvalue()
+
+
+@pytest.fixture(scope="session")
+def gpt_tiny(tmp_path_factory):
+    """An out_dir of train_gpt2.py holding ckpt_0000001.pt, a TINY model (vocab_size 512) after one
+    step: the model of the tests of scripts (export, HellaSwag) and of init_from that are not about
+    GPT-2's weights."""
+    root = tmp_path_factory.mktemp("gpt_tiny")
+    make_shards(root / "data")
+    train_here([*TINY, f"--data_dir={root / 'data'}", f"--out_dir={root / 'out'}", "--total_batch_size=32",
+                "--max_steps=1", "--eval_interval=0", "--hellaswag_interval=0"])
+    return root / "out"
+
+
 # --- a fork of the model: rotary position embeddings (RoPE) instead of learned ones ---------------
 
 def rotary(x, start, base=10000.0):
-    """x (B, nh, T, hs) at positions start..start+T-1 with RoPE (Su et al. 2021) applied: each pair
+    """x (B, T, nh, hs) at positions start..start+T-1 with RoPE (Su et al. 2021) applied: each pair
     (i, i + hs/2) of a head's channels rotated by the angle position * base**(-2i/hs)."""
-    hs, T = x.size(-1), x.size(-2)
+    T, hs = x.size(1), x.size(-1)
     inv_freq = base ** (-torch.arange(0, hs, 2, device=x.device, dtype=torch.float32) / hs)
     positions = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (T, hs/2)
+    angles = torch.outer(positions, inv_freq)[:, None, :]  # (T, 1, hs/2): one angle for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class RopeAttention(train_gpt2.CausalSelfAttention):
-    """train_gpt2's attention with q and k rotated by their positions, which start at the cache's."""
+def change_qk(attn, fn):
+    """Makes `attn`, an attention module as train_gpt2's Block holds it, attend with fn(q, k, start)
+    in place of its q and k: each (B, T, nh, hs), of the tokens at positions start.. (the KV cache's
+    pos, 0 without one). Hooks apply it to the output of attn.c_attn (B, T, 3 * n_embd), so the
+    attention's own forward runs, with whatever a fork changed there."""
+    n_head, start = attn.n_head, [0]
 
-    def forward(self, x, cache=None, layer=0):
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.c_attn(x).split(C, dim=2))  # (B, nh, T, hs)
-        start = 0 if cache is None else cache.pos  # GPT.forward advances pos after the blocks
-        q, k = rotary(q, start), rotary(k, start)
-        if cache is not None:
-            k, v = cache.store(layer, k, v)
-        dropout_p = self.dropout if self.training else 0.0
-        causal = True if T > 1 else False  # as train_gpt2's: SDPA takes no symbolic bool
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+    def remember_start(module, args, kwargs):
+        cache = args[1] if len(args) > 1 else kwargs.get("cache")
+        start[0] = 0 if cache is None else cache.pos  # GPT.forward advances pos after the blocks
+
+    def changed(module, args, qkv):
+        B, T, C = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+        q, k, v = qkv.split(C, dim=2)
+        q, k = fn(q.view(B, T, n_head, C // n_head), k.view(B, T, n_head, C // n_head), start[0])
+        return torch.cat([q.reshape(B, T, C), k.reshape(B, T, C), v], dim=2)
+
+    attn.register_forward_pre_hook(remember_start, with_kwargs=True)
+    attn.c_attn.register_forward_hook(changed)
+
+
+class NoPositions(nn.Module):
+    """In transformer.wpe's place: no parameter, and 0 for every position, so that GPT.forward's
+    wte(idx) + wpe(pos) is wte(idx) bit for bit."""
+
+    def forward(self, pos):
+        return torch.zeros((), device=pos.device)
 
 
 class RopeGPT(train_gpt2.GPT):
-    """The fork a researcher makes of train_gpt2.GPT: transformer.wpe deleted, RoPE on q and k in
-    every attention, nothing else changed (no parameter added, GPT's init and optimizer groups).
-    A subclass of whatever train_gpt2.GPT is, so it is the same fork on a repository already
-    forked."""
+    """The fork a researcher makes of train_gpt2.GPT: the learned positions (transformer.wpe) gone,
+    RoPE on q and k in every attention, nothing else changed: GPT's own forward, attention, init and
+    optimizer groups run as they are. A subclass of whatever train_gpt2.GPT is, so it is the same
+    fork on a repository already forked."""
 
     def __init__(self, config):
         super().__init__(config)
-        if "wpe" in self.transformer:
-            del self.transformer.wpe
+        self.transformer.wpe = NoPositions()
         for block in self.transformer.h:
-            block.attn = RopeAttention(config)
-        if self.lm_head.weight.device.type != "meta":
-            self.apply(self._init_weights)  # GPT's init, the new attention modules included
-
-    def forward(self, idx, targets=None, cache=None):
-        """GPT.forward without the learned positions."""
-        B, T = idx.size()
-        start = 0 if cache is None else cache.pos
-        assert start + T <= self.config.block_size, f"positions up to {start + T} > block_size"
-        assert start == 0 or T == 1, "after a prefill the cache takes one token at a time"
-        x = self.transformer.drop(self.transformer.wte(idx))
-        for layer, block in enumerate(self.transformer.h):
-            if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x, cache, layer)
-        x = self.transformer.ln_f(x)
-        if cache is not None:
-            cache.pos += T
-            x = x[:, -1:, :]
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-        return logits, loss
+            change_qk(block.attn, lambda q, k, start: (rotary(q, start), rotary(k, start)))
 
 
 def rope_fork(monkeypatch):

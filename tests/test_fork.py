@@ -2,7 +2,6 @@
 (conftest.RopeGPT) trains, saves, resumes and samples through train_gpt2.py's own code, with no
 change outside the model: nothing there assumes GPT-2's layout."""
 
-import contextlib
 import io
 import math
 import shutil
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import TINY, RopeGPT, make_shards, one_torch_thread, read_log, rope_fork
+from conftest import TINY, RopeGPT, make_shards, read_log, rope_fork, train_here
 from gpt2_ddp import checkpoints
 from gpt2_ddp.sampling import KVCache
 from gpt2_ddp.tokenizer import gpt2_encoding
@@ -21,17 +20,20 @@ STEPS = 4
 
 
 def test_the_fork_has_no_learned_positions_yet_sees_order_and_decodes_through_the_cache(one_thread):
-    """RopeGPT holds GPT's parameters but wpe's and no new one. With one layer its last logits
-    change when two earlier tokens swap places (without positions the last query would attend to
-    the same set of keys: 1e-7 apart, not 1e-3). With two, a prefill then one token at a time
-    through a KVCache gives the logits of running the whole sequence (float32, 1e-5)."""
+    """RopeGPT holds GPT's parameters but wpe's and no new one (the names, and the numbers of
+    their distinct tensors' elements). With one layer its last logits change when two earlier
+    tokens swap places (without positions the last query would attend to the same set of keys:
+    1e-7 apart, not 1e-3). With two, a prefill then one token at a time through a KVCache gives the
+    logits of running the whole sequence (float32, 1e-5)."""
     models = {}
     for n_layer in (1, 2):
         config = train_gpt2.Config(n_layer=n_layer, n_head=2, n_embd=32, block_size=32, vocab_size=512)
         torch.manual_seed(0)
         models[n_layer] = model = RopeGPT(config).eval()
-        assert set(model.state_dict()) == {k for k in train_gpt2.GPT(config).state_dict() if ".wpe." not in k}
-        assert model.lm_head.weight is model.transformer.wte.weight
+        gpt = train_gpt2.GPT(config)
+        assert set(model.state_dict()) == {k for k in gpt.state_dict() if ".wpe." not in k}
+        assert (sum(p.numel() for p in model.parameters()) ==
+                sum(p.numel() for p in gpt.parameters()) - gpt.transformer.wpe.weight.numel())
     one, two = models[1], models[2]
     idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     swapped = idx.clone()
@@ -57,22 +59,16 @@ def fork_runs(tmp_path_factory):
     make_shards(data)
     args = [*TINY, f"--data_dir={data}", "--total_batch_size=64", f"--max_steps={STEPS}",
             "--checkpoint_interval=1", "--keep_checkpoints=0", "--sample_interval=2", "--sample_prompt=ab"]
-    precision = torch.get_float32_matmul_precision()
     consoles = {}
-    try:
-        with pytest.MonkeyPatch.context() as patch, one_torch_thread():
-            rope_fork(patch)
-            for out in (whole, resumed):
-                if out == resumed:
-                    shutil.copytree(whole, resumed)
-                    for step in (STEPS - 1, STEPS):
-                        checkpoints.path_of(resumed, step).unlink()
-                consoles[out] = io.StringIO()
-                with contextlib.redirect_stdout(consoles[out]):
-                    assert train_gpt2.main([*args, f"--out_dir={out}"]) == 0
-    finally:
-        torch.set_float32_matmul_precision(precision)  # main() sets it for the whole process
-    return whole, resumed, {out: console.getvalue() for out, console in consoles.items()}
+    with pytest.MonkeyPatch.context() as patch:
+        rope_fork(patch)
+        for out in (whole, resumed):
+            if out == resumed:
+                shutil.copytree(whole, resumed)
+                for step in (STEPS - 1, STEPS):
+                    checkpoints.path_of(resumed, step).unlink()
+            consoles[out] = train_here([*args, f"--out_dir={out}"])
+    return whole, resumed, consoles
 
 
 def test_one_step_of_the_fork_is_finite_and_changes_every_weight(fork_runs, monkeypatch):

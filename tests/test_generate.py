@@ -41,6 +41,14 @@ def cached_generate(model, idx, max_new_tokens, generator, temperature, top_k):
     return tokens, torch.stack(steps)
 
 
+def shared_names(model):
+    """The groups of parameter names that name one tensor (GPT-2's wte and lm_head), as lists."""
+    groups = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(names for names in groups.values() if len(names) > 1)
+
+
 def assert_cache_changes_nothing(shape, batch, prompt_len, max_new_tokens, temperature=1.0,
                                  top_k=50, seed=0):
     torch.manual_seed(seed)
@@ -49,7 +57,7 @@ def assert_cache_changes_nothing(shape, batch, prompt_len, max_new_tokens, tempe
     with torch.no_grad():
         expected, expected_logits = reference_generate(
             model, idx, max_new_tokens, torch.Generator().manual_seed(seed), temperature, top_k)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state, shared = {k: v.clone() for k, v in model.state_dict().items()}, shared_names(model)
     # the model as it is trained, then as scripts/sample.py samples it
     for sampler in (model, decoding_layout(model)):
         tokens, logits = cached_generate(sampler, idx, max_new_tokens,
@@ -59,7 +67,7 @@ def assert_cache_changes_nothing(shape, batch, prompt_len, max_new_tokens, tempe
         torch.testing.assert_close(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
     weight = model.transformer.h[0].attn.c_attn.weight  # (3 * n_embd, n_embd), stored (in, out)
     assert weight.stride() == (1, weight.size(0))
-    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert shared_names(model) == shared  # a tensor that modules share (tied weights) still shared
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in state.items())
 

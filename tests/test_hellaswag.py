@@ -80,17 +80,17 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
                       "hellaswag_examples": 8}
 
 
-def test_standalone_script_scores_a_model(hf_tiny, examples_file):
-    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path",
+def test_standalone_script_scores_a_model(gpt_tiny, examples_file):
+    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(gpt_tiny), "--path",
                            str(examples_file), "--examples", "5"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
-    model = GPT.from_pretrained(hf_tiny)
+    model = GPT.from_pretrained(gpt_tiny)
     config = model.config
     examples = hellaswag.render_all(hellaswag.load_examples(examples_file, 5), config.block_size,
                                     config.vocab_size)
     result = hellaswag.evaluate(model, examples, torch.device("cpu"))
-    assert proc.stdout.startswith(f"{hf_tiny}: {hellaswag.summary(result)}\n")
+    assert proc.stdout.startswith(f"{gpt_tiny}: {hellaswag.summary(result)}\n")
     assert "5 examples" in proc.stdout
 
 
@@ -111,19 +111,19 @@ def test_a_damaged_file_gets_a_one_line_error(examples_file, tmp_path, damage, m
         hellaswag.load_examples(path)
 
 
-def test_a_truncated_file_fails_the_script_with_one_line(hf_tiny, examples_file, tmp_path):
+def test_a_truncated_file_fails_the_script_with_one_line(gpt_tiny, examples_file, tmp_path):
     path = tmp_path / "truncated.jsonl"
     path.write_bytes(examples_file.read_bytes()[:-30])
-    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(hf_tiny), "--path", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.hellaswag", str(gpt_tiny), "--path", str(path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr.startswith("hellaswag.py: error: ") and proc.stderr.count("\n") == 1
     assert "delete" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_negative_number_of_examples_is_refused(hf_tiny, examples_file, capsys):
+def test_a_negative_number_of_examples_is_refused(gpt_tiny, examples_file, capsys):
     with pytest.raises(SystemExit) as excinfo:
-        hellaswag_main([str(hf_tiny), "--path", str(examples_file), "--examples", "-5"])
+        hellaswag_main([str(gpt_tiny), "--path", str(examples_file), "--examples", "-5"])
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.endswith(
         ": error: --examples must be >= 0 (0: all), got -5\n")

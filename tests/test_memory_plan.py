@@ -3,6 +3,7 @@ activation checkpointing against runs without it (in test_sharding.py's and test
 runs), and the GPT-2 size configs kept runnable."""
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import conftest
 import train_gpt2
@@ -49,17 +51,50 @@ def measure(config):
 
 @pytest.mark.parametrize("checkpointing, optimizer, dtype", [(False, "adamw", "float32"),
                                                              (True, "muon", "float32"),
-                                                             (False, "adamw", "bfloat16")])
+                                                             (False, "adamw", "bfloat16"),
+                                                             (False, "adamw", "float16")])
 def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer, dtype):
     """Parameters, gradients and optimizer state (AdamW's two moments, or Muon's momentum for the
-    blocks' matrices and AdamW's for the rest) exactly, and under bfloat16 autocast its 16-bit
-    copies of the matmul weights."""
+    blocks' matrices and AdamW's for the rest) exactly, and under bfloat16 and float16 autocast its
+    16-bit copies of the matmul weights."""
     config = dataclasses.replace(SMALL, activation_checkpointing=checkpointing, optimizer=optimizer,
                                  dtype=dtype)
     planned = memory_plan.plan(config, 1, memory_counts(config))
     measured = measure(config)
     for part in ("parameters", "gradients", "optimizer state"):
         assert measured[part] == planned[part], part
+
+
+def profiled_bytes_per_sequence(config):
+    """Bytes per sequence of seq_len tokens that one real forward and backward of GPT(config) on the
+    CPU, under config.dtype's autocast, allocates at its peak beyond what does not grow with the
+    micro-batch: the running sum of every CPU allocation and free that torch's profiler records,
+    its peak at micro-batch 3 less its peak at micro-batch 2."""
+    def peak(micro_batch_size):
+        torch.manual_seed(0)
+        model = GPT(config).train()
+        idx = torch.randint(0, config.vocab_size, (micro_batch_size, config.seq_len))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with precision.autocast(config.dtype, torch.device("cpu")):
+                _, loss = model(idx, idx)
+            loss.backward()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        return max(itertools.accumulate(e.nbytes() for e in sorted(events, key=lambda e: e.start_ns())))
+
+    return peak(3) - peak(2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_activations_planned_for_16_bits_are_what_a_16_bit_step_allocates(dtype):
+    """A bfloat16 or float16 run's plan counts the activations of its dtype's autocast, not
+    float32's: per sequence, the bytes that a real CPU step under that autocast allocates at its
+    peak as torch's profiler records them (rtol 5%, for kernels' workspaces), which float32's
+    activations exceed by more than that."""
+    config = dataclasses.replace(SMALL, dtype=dtype)
+    planned = memory_plan.plan(config, 1, memory_counts(config))["activations"] / config.micro_batch_size
+    measured = profiled_bytes_per_sequence(config)
+    assert planned == pytest.approx(measured, rel=0.05)
+    assert profiled_bytes_per_sequence(dataclasses.replace(config, dtype="float32")) > 1.1 * measured
 
 
 # one training step of a model class per micro-batch size, each after the one before has freed its
@@ -122,21 +157,25 @@ def test_the_plan_is_within_15_percent_of_a_cpu_steps_peak(monkeypatch):
 def test_the_plan_counts_the_model_and_optimizer_that_training_builds(monkeypatch):
     """GPT-2 124M (vocab padded to 50304) and AdamW's 8 bytes a parameter; the same model without
     learned positions (a fork to RoPE, say) and with Muon's 4 bytes for the blocks' matrices are
-    counted as they are built, with no change to the plan."""
+    counted as they are built, with no change to the plan. Each figure is the model's own: its
+    parameters (a tied tensor once), wpe's, and the weights of the blocks' nn.Linear modules."""
     def count(config):  # memory_counts without the activations, which this test does not need
         model = meta_model(config)
         return memory_plan.count(model, model.configure_optimizers(config, "meta"))
 
     config = load_config([str(ROOT / "configs" / "gpt2_124m.toml")])
+    model = meta_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    matrices = sum(m.weight.numel() for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear))
     counts = count(config)
-    assert counts["params"] == 124_475_904 and counts["optimizer_bytes"] == 8 * counts["params"]
+    assert counts["params"] == params and counts["optimizer_bytes"] == 8 * params
     with monkeypatch.context() as patch:  # the RoPE fork: learned positions gone, no parameter added
         patch.setattr(train_gpt2, "GPT", conftest.RopeGPT)
         fork = count(config)
-    assert fork["params"] == counts["params"] - 1024 * 768
+    assert fork["params"] == params - model.transformer.wpe.weight.numel()
     assert fork["optimizer_bytes"] == 8 * fork["params"]
     muon = count(dataclasses.replace(config, optimizer="muon"))
-    assert muon["optimizer_bytes"] == 8 * counts["params"] - 4 * 12 * 12 * 768 ** 2
+    assert muon["optimizer_bytes"] == 8 * params - 4 * matrices
 
 
 def test_sharding_and_checkpointing_fit_larger_micro_batches():
@@ -190,21 +229,23 @@ def test_a_model_whose_state_exceeds_the_available_memory_is_refused(monkeypatch
     sums that the plan adds; nor where the memory is unknown (MPS)."""
     config = dataclasses.replace(load_config([str(ROOT / "configs" / "gpt2_124m.toml")]),
                                  exact_reduction=True)
-    for device, dtype, total in ((torch.device("cpu"), "float32", 88.3),
-                                 (torch.device("cuda:1"), "bfloat16", 66.6)):
+    for device, dtype in ((torch.device("cpu"), "float32"), (torch.device("cuda:1"), "bfloat16")):
         config = dataclasses.replace(config, dtype=dtype)
         counts = memory_counts(config)
-        held = 16 * counts["params"]
+        held, GB = 16 * counts["params"], memory_plan.GB
+        total = memory_plan.plan(config, 1, counts)["total"]  # this dtype's, with the float64 sums
         assert memory_plan.plan(config, 1, counts)["total"] > 20 * held
         monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held, f"{d} has enough"))
         assert memory_plan.checked_summary(config, 1, device, counts).startswith("memory plan per rank")
         monkeypatch.setattr(memory_plan, "available_bytes", lambda d: (held - 1, f"{d} has too little"))
         with pytest.raises(UserError) as excinfo:
             memory_plan.checked_summary(config, 1, device, counts)
+        four = 4 * counts["params"] / GB  # float32 parameters or gradients, or one of AdamW's moments
         assert str(excinfo.value) == (
-            "the model needs at least 1.9 GB per rank (parameters 0.5 GB, gradients 0.5 GB, optimizer "
-            f"state 0.9 GB; memory_plan's total with activations {total} GB) but {device} has too "
-            "little; lower n_layer, n_embd or vocab_size, or shard it over more ranks (--sharding=fsdp)")
+            f"the model needs at least {held / GB:.1f} GB per rank (parameters {four:.1f} GB, gradients "
+            f"{four:.1f} GB, optimizer state {2 * four:.1f} GB; memory_plan's total with activations "
+            f"{total / GB:.1f} GB) but {device} has too little; lower n_layer, n_embd or vocab_size, or "
+            "shard it over more ranks (--sharding=fsdp)")
     monkeypatch.setattr(memory_plan, "available_bytes", lambda d: None)
     assert memory_plan.checked_summary(config, 1, torch.device("mps"), counts)
 

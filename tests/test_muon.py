@@ -84,35 +84,46 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values():
         assert (D - torch.diag(diagonal)).abs().max() < 0.03
 
 
-def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
-    config = load_config([*MUON, "--n_layer=2"])
-    model = GPT(config)
+def check_muon_split(model, config):
+    """model.configure_optimizers(config) with optimizer=muon gives Muon the weight of every nn.Linear
+    in the blocks, told by module type (c_attn's, q, k and v, with splits 3; the others with 1), at
+    muon_lr's scale and no weight decay, and AdamW every other parameter; each parameter to one."""
     optimizer = model.configure_optimizers(config, "cpu")
     assert isinstance(optimizer, Chain) and isinstance(optimizer.optimizers[1], Muon)
     muon = optimizer.optimizers[1].param_groups
     blocks = model.transformer.h
+    matrices = [m.weight for m in blocks.modules() if isinstance(m, torch.nn.Linear)]
     qkv = [b.attn.c_attn.weight for b in blocks]
-    others = [w for b in blocks for w in (b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight)]
+    others = [w for w in matrices if all(w is not q for q in qkv)]
     assert {g["splits"]: [id(p) for p in g["params"]] for g in muon} == {
         3: [id(p) for p in qkv], 1: [id(p) for p in others]}
     for g in muon:
         assert g["lr_scale"] == config.muon_lr / config.max_lr and g["weight_decay"] == 0.0
     adamw = [p for g in optimizer.optimizers[0].param_groups for p in g["params"]]
-    assert {id(p) for p in adamw} == {id(p) for p in model.parameters()} - {id(p) for p in qkv + others}
-    assert any(p is model.lm_head.weight for p in adamw)  # tied with wte
+    assert sorted(map(id, adamw + qkv + others)) == sorted(map(id, model.parameters()))
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    """check_muon_split on GPT (a fork's own model: test_forks.py)."""
+    config = load_config([*MUON, "--n_layer=2"])
+    check_muon_split(GPT(config), config)
 
 
 def test_owners_split_the_newton_schulz_work_evenly():
-    """GPT-2 124M's 48 matrices (c_attn as three) over 8 ranks: each matrix on one rank, the
-    largest rank's share of Newton-Schulz's work within 10% of the mean."""
+    """GPT-2 124M's matrices (c_attn's as one, with q, k and v in it) over 8 ranks: each matrix, and
+    nothing else, on one rank, the largest rank's share of Newton-Schulz's work within 10% of the
+    mean."""
     config = load_config(["--optimizer=muon"])
-    muon = meta_model(config).configure_optimizers(config, "meta").optimizers[1]
+    model = meta_model(config)
+    muon = model.configure_optimizers(config, "meta").optimizers[1]
     muon.choose_owners(8)
     load = [0] * 8
     for group in muon.param_groups:
         for p in group["params"]:
             load[muon.owner[p]] += Muon.flops(group["splits"], p.shape)
-    assert len(muon.owner) == 48 and max(load) < 1.1 * sum(load) / 8
+    matrices = [m.weight for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(map(id, muon.owner)) == sorted(map(id, matrices))
+    assert max(load) < 1.1 * sum(load) / 8
 
 
 @pytest.fixture(scope="module")

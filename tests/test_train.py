@@ -16,6 +16,7 @@ from torch.distributed.run import get_args_parser
 from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
 from gpt2_ddp import metrics
 from gpt2_ddp.device import TORCH_FLOOR
+from gpt2_ddp.gpt2_weights import CONV1D
 from gpt2_ddp.shards import split_paths, write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
 import train_gpt2
@@ -196,17 +197,24 @@ def test_batch_size_that_does_not_divide_fails_before_training(tiny_data, tmp_pa
 
 # --- model --------------------------------------------------------------------------------------
 
-def test_gpt2_124m_parameter_count_and_names():
+def test_gpt2_124m_names_shapes_and_size_are_transformers_gpt2s():
+    """GPT at its default config, GPT-2 124M with the vocabulary padded to 50304, holds the tensors
+    of transformers' GPT2LMHeadModel (an independent implementation) of that config: the same names
+    and shapes (Conv1D's weights the transpose of our Linear's) and as many parameters, wte and
+    lm_head one tensor counted once, as GPT-2 ties them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = Config()
     with torch.device("meta"):
-        model = GPT(Config())
-    n_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
-    assert n_params == 124_475_904  # GPT-2's 124,439,808 plus the 47 padding rows of wte
-    names = set(model.state_dict())
-    for name in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.11.ln_1.weight",
-                 "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias",
-                 "transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight",
-                 "transformer.h.0.mlp.c_proj.bias", "transformer.ln_f.bias", "lm_head.weight"]:
-        assert name in names
+        model = GPT(config)
+        reference = GPT2LMHeadModel(GPT2Config(vocab_size=config.vocab_size, n_positions=config.block_size,
+                                               n_embd=config.n_embd, n_layer=config.n_layer,
+                                               n_head=config.n_head))
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        expected = theirs[name].t() if name.endswith(CONV1D) else theirs[name]
+        assert tensor.shape == expected.shape, name
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters())
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
@@ -231,10 +239,14 @@ def loader(data_dir, rank=0, world_size=1, B=2, T=16, split="train"):
     return DataLoader(data_dir, split, B, T, rank, world_size, torch.device("cpu"))
 
 
-def test_loader_crosses_shard_boundaries_and_wraps(tmp_path):
-    stream = make_shards(tmp_path, n_train=100, train_shards=3)  # shards of 34, 33, 33 tokens
+@pytest.mark.parametrize("n_train, batches", [(100, 6), (96, 5)])
+def test_loader_crosses_shard_boundaries_and_wraps(tmp_path, n_train, batches):
+    """Micro-batches of the stream across its shards, each needing B*T+1 tokens, so a stream of an
+    exact multiple of B*T (96 = 6 * 16) holds one micro-batch fewer than it has B*T's in it; the
+    epoch then wraps to the first token."""
+    stream = make_shards(tmp_path, n_train=n_train, train_shards=3)  # shards of about n_train / 3
     dl = loader(tmp_path, B=1, T=16)
-    assert dl.batches_per_epoch == (100 - 1) // 16
+    assert dl.batches_per_epoch == batches
     for g in range(dl.batches_per_epoch):
         x, y = dl.next_batch()
         assert x.dtype == torch.int64 and x.shape == (1, 16)
@@ -330,6 +342,50 @@ def test_a_prefetched_micro_batch_is_the_next_one_and_moves_no_position(tmp_path
     b.batch_index -= 2
     assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
     assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+
+
+def test_a_shard_rewritten_in_place_under_the_loader_is_named_and_not_read(tmp_path):
+    """A shard rewritten in place (the same inode and size, a new mtime) after the loader opened it
+    gives zeros, not its new tokens, and raise_changed names it in one line."""
+    stream = make_shards(tmp_path, n_train=128, train_shards=2)
+    dl = loader(tmp_path, B=1, T=16)
+    assert dl.next_batch()[0].flatten().tolist() == stream[:16].tolist()
+    shard, before = tmp_path / "tiny_train_000001.bin", (tmp_path / "tiny_train_000001.bin").stat()
+    with open(shard, "r+b") as f:
+        f.seek(1024 + 2 * 16)  # the tokens of the next micro-batch
+        f.write(np.full(16, 7, dtype="<u2").tobytes())
+    # a rewrite within the clock's tick keeps the old mtime: the test moves it on itself
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    after = shard.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    x, y = dl.next_batch()
+    assert x.flatten().tolist() == [0] * 16 and y.flatten().tolist() == [0] * 16
+    with pytest.raises(UserError, match=f"^shard {shard} changed while this run read it \\(replaced or "
+                                        f"rewritten\\): the run stopped at its last step, saved"):
+        dl.raise_changed()
+
+
+def test_a_short_read_of_a_shard_is_named_in_one_line(tmp_path, monkeypatch):
+    """pread returning fewer bytes than asked (a shard cut short under the read, by a token or by
+    half of one) gives a whole micro-batch of zeros, in either order, and raise_changed names the
+    shard, rather than a micro-batch of the wrong shape or numpy's error."""
+    from gpt2_ddp.tokenizer import EOT_TOKEN
+    stream = make_shards(tmp_path, n_train=128, train_shards=2)
+    for order, short in (("sequential", 2), ("shuffled", 2), ("shuffled", 1)):
+        if order == "shuffled":  # documents of T + 1 tokens, each after an <|endoftext|>
+            stream[::17] = EOT_TOKEN
+            write_shard(tmp_path / "tiny_train_000001.bin", stream[:68])
+            write_shard(tmp_path / "tiny_train_000002.bin", stream[68:])
+        dl = DataLoader(tmp_path, "train", 2, 16, 0, 1, torch.device("cpu"), order=order)
+        with monkeypatch.context() as patch:
+            pread = os.pread
+            patch.setattr(os, "pread", lambda fd, n, offset: pread(fd, n, offset)[:n - short])
+            x, y = dl.next_batch()
+        assert x.shape == y.shape == (2, 16) and not x.any() and not y.any()
+        with pytest.raises(UserError, match=f"^shard {tmp_path}/tiny_train_00000[12].bin changed while "
+                                            f"this run read it \\(cut short\\): the run stopped"):
+            dl.raise_changed()
+
 
 # run in a fresh process: the growth of its peak RSS (VmHWM, MiB) over reading 50 micro-batches
 # of 8 x 1024 spread over the shard, as a resumed run jumps to them
@@ -441,11 +497,23 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
 
 # --- speed accounting -----------------------------------------------------------------------------
 
-def test_flops_per_token_of_gpt2_124m():
+def test_flops_per_token_against_torchs_flop_counter():
+    """flops_per_token(T), PaLM's 6N + 12 * n_layer * n_embd * T, against torch's FlopCounterMode
+    on one forward and backward of the model over T tokens (meta device): the counter sees every
+    matmul (the Linears' and attention's, whole T x T as PaLM counts it), and 6N adds 6 FLOPs a
+    token for each parameter that no matmul or lookup uses (biases, LayerNorm gains)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    config = Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=512, bias=True)
     with torch.device("meta"):
-        model = GPT(Config())
-    n = 124_475_904 - 1024 * 768  # without wpe
-    assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 12 * 64 * 1024  # ~0.86 GFLOP
+        model = GPT(config)
+    held = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    others = sum(p.numel() for p in model.parameters() if id(p) not in held)
+    assert others > 0
+    for T in (config.block_size, config.block_size // 4):
+        idx = torch.zeros(1, T, dtype=torch.long, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            model(idx, idx)[1].backward()
+        assert model.flops_per_token(T) * T == counter.get_total_flops() + 6 * others * T, T
 
 
 @pytest.mark.parametrize("name, dtype, peak", [

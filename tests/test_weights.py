@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
-from conftest import ROOT, make_shards, read_log, run_training, write_hellaswag
+from conftest import ROOT, TINY, make_shards, read_log, run_training, write_hellaswag
 from gpt2_ddp import checkpoints
 from gpt2_ddp.gpt2_weights import save_hf
 from gpt2_ddp.tokenizer import ASSETS_DIR, GPT2_MERGES_PATH, GPT2_VOCAB_PATH, gpt2_encoding
@@ -63,16 +63,17 @@ def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
 
 
 @pytest.mark.compat
-def test_a_run_with_init_from_and_hellaswag_loads_train_gpt2_once(hf_tiny, tmp_path):
+def test_a_run_with_init_from_and_hellaswag_loads_train_gpt2_once(gpt_tiny, tmp_path):
     """No module that train_gpt2.py imports imports it back: run as a script, it is the module
     __main__ alone, never also a second copy named train_gpt2 (two Config classes in a process).
-    python -X importtime lists every module a process imports, on stderr."""
+    python -X importtime lists every module a process imports, on stderr. The run starts from a
+    checkpoint of ours (init_from reads it through gpt2_weights as it reads GPT-2's)."""
     data_dir = tmp_path / "data"
     make_shards(data_dir)
     write_hellaswag(tmp_path / "hellaswag.jsonl", 2)
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "train_gpt2.py", *FINETUNE_TINY, "--max_steps=1",
-         f"--init_from={hf_tiny}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}",
+        [sys.executable, "-X", "importtime", "train_gpt2.py", *TINY, "--total_batch_size=32", "--max_steps=1",
+         f"--init_from={gpt_tiny}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}",
          "--hellaswag_interval=1", f"--hellaswag_path={tmp_path / 'hellaswag.jsonl'}"],
         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,17 +166,17 @@ def test_exported_files_get_the_mode_of_new_files(tmp_path):
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o750
 
 
-def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny, tmp_path,
-                                                                          monkeypatch):
+def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(gpt_tiny, tmp_path,
+                                                                           monkeypatch):
     """A failed export removes the temp directory it made, and only that: a user's hf.tmp stays."""
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     (tmp_path / "hf.tmp").mkdir()
     (tmp_path / "hf.tmp" / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match=f"{a_file} exists and is not an empty directory"):
-        export_hf.main([str(hf_tiny), str(a_file)])
+        export_hf.main([str(gpt_tiny), str(a_file)])
     with pytest.raises(UserError, match=f"cannot write {a_file}/hf: Not a directory"):
-        export_hf.main([str(hf_tiny), str(a_file / "hf")])
+        export_hf.main([str(gpt_tiny), str(a_file / "hf")])
 
     def refused(src, dst):  # as a read-only parent would: under root, chmod cannot make one
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
@@ -183,25 +184,25 @@ def test_export_where_it_cannot_write_is_one_line_and_leaves_no_temp_dir(hf_tiny
     monkeypatch.setattr(os, "replace", refused)
     with pytest.raises(UserError, match=f"cannot write {tmp_path / 'hf'}: Permission denied; pick "
                                         f"a directory you can write"):
-        export_hf.main([str(hf_tiny), str(tmp_path / "hf")])
+        export_hf.main([str(gpt_tiny), str(tmp_path / "hf")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "hf.tmp"]
     assert (tmp_path / "hf.tmp" / "keep.txt").read_text() == "mine"
 
 
-def test_export_into_an_empty_current_directory_or_through_a_dangling_symlink(hf_tiny, tmp_path,
-                                                                              monkeypatch):
+def test_export_into_an_empty_current_directory_or_through_a_dangling_symlink(gpt_tiny, tmp_path,
+                                                                               monkeypatch):
     """An empty current directory stays and the files go into it (a shell in it sees them); a
     dangling symlink's target is made; a directory the user filled is refused, untouched."""
     files = ["config.json", "merges.txt", "model.safetensors", "tokenizer_config.json", "vocab.json"]
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
-    export_hf.main([str(hf_tiny), "."])
+    export_hf.main([str(gpt_tiny), "."])
     assert sorted(os.listdir(".")) == files
     with pytest.raises(UserError, match="^\\. exists and is not an empty directory: pick a directory "
                                         "that does not exist yet$"):
-        export_hf.main([str(hf_tiny), "."])
+        export_hf.main([str(gpt_tiny), "."])
     (tmp_path / "link").symlink_to(tmp_path / "there")
-    export_hf.main([str(hf_tiny), str(tmp_path / "link")])
+    export_hf.main([str(gpt_tiny), str(tmp_path / "link")])
     assert sorted(os.listdir(tmp_path / "there")) == files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "there"]
 

@@ -175,6 +175,16 @@ def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsy
     assert capsys.readouterr().err == "fake: started\nfake: step     0 | loss 6.2\n"
 
 
+def test_a_run_killed_by_a_signal_is_a_failure_with_its_output(tmp_path):
+    """A run that a signal ends (exit status -9 for SIGKILL, as the out-of-memory killer's) fails
+    runs.train with its code and output, as a non-zero exit does; it is no success."""
+    fake_python = tmp_path / "python"  # runs.train calls it with train_gpt2.py's path
+    fake_python.write_text('#!/bin/sh\necho "step     1 | loss 6.2"\nkill -9 $$\n')
+    fake_python.chmod(0o755)
+    with pytest.raises(UserError, match=r"train_gpt2.py failed \(-9\):\nstep     1 \| loss 6.2\n"):
+        runs.train([], python=str(fake_python), timeout=60)
+
+
 @pytest.mark.parametrize("argv", [["train_gpt2.py", "-h"], ["-m", "scripts.bench", "--help"]])
 def test_help_into_a_closed_pipe_is_quiet(argv):
     """`--help | head -2`: the reader is gone before the help is written; no BrokenPipeError."""

@@ -15,7 +15,7 @@ import pytest
 import train_gpt2
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import split_paths, write_shard
+from gpt2_ddp.shards import check_token_ids, max_token_ids, read_tokens, split_paths, write_shard
 import prepare_data
 
 
@@ -196,3 +196,26 @@ def test_advice_to_rerun_is_in_the_form_the_user_launched(monkeypatch):
                                                       f"the small CPU config: python prepare_data.py && {command} "
                                                       f"train_gpt2.py configs/shakespeare_cpu.toml")):
             split_paths(ROOT / "data" / "fineweb-edu-missing", "train", required=True)
+
+
+def test_a_token_id_equal_to_vocab_size_is_refused(tmp_path):
+    """The embedding's rows are 0 .. vocab_size - 1: a shard whose largest id is vocab_size itself
+    is refused, one whose largest is vocab_size - 1 is not."""
+    shard = tmp_path / "t_train.bin"
+    write_shard(shard, [1, 2, 600])
+    with pytest.raises(UserError, match="holds token id 600, beyond vocab_size=600"):
+        check_token_ids([shard], 600, tmp_path / "a.json", 0, 1, lambda values: values)
+    check_token_ids([shard], 601, tmp_path / "b.json", 0, 1, lambda values: values)
+
+
+def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path):
+    """max_token_ids at world size 2: shard i is scanned by rank i % 2 alone (-1 on the other), and
+    the element-wise maximum of the two ranks' lists is every shard's largest token id."""
+    make_shards(tmp_path, train_shards=3)
+    paths = sorted(tmp_path.glob("*.bin"))
+    sent = {}
+    for rank in (1, 0):
+        max_token_ids(paths, tmp_path / f"cache{rank}.json", rank, 2,
+                      lambda values, rank=rank: sent.setdefault(rank, values))
+    assert [[i for i, v in enumerate(sent[r]) if v >= 0] for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert [max(a, b) for a, b in zip(sent[0], sent[1])] == [int(read_tokens(p).max()) for p in paths]

@@ -51,6 +51,17 @@ def rows(loader, n):
     return [tuple(row) for _ in range(n) for row in loader.next_batch()[0].tolist()]
 
 
+def test_a_micro_batch_across_an_epochs_end_holds_the_rows_of_both_epochs(tmp_path):
+    """A micro-batch whose rows run past an epoch's end: its last rows of one epoch and first of the
+    next, as B rows read one at a time give them."""
+    write_documents(tmp_path)
+    loader = shuffled(tmp_path, B=8)
+    n = len(loader.rows)
+    together = loader.rows.starts(n - 3, 8)
+    alone = [loader.rows.starts(n - 3 + k, 1)[0] for k in range(8)]
+    assert together.tolist() == alone
+
+
 def test_each_epoch_is_a_new_order_of_the_same_rows_that_start_at_a_document(tmp_path):
     stream = write_documents(tmp_path)
     loader = shuffled(tmp_path)

@@ -506,6 +506,22 @@ def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpo
     assert [s["step"] for s in steps if s.get("skipped")] == [6, 7, 8]
 
 
+def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_name(tmp_path):
+    """A damaged checkpoint goes to the first of .damaged, .damaged2, .damaged3 ... not taken, so
+    none set aside before is overwritten; the one before it is resumed from."""
+    checkpoints.save(checkpoints.path_of(tmp_path, 1),
+                     {"model": {}, "optimizer": {}, "config": {}, "step": 1, "loader": {}})
+    bad = checkpoints.path_of(tmp_path, 2)
+    for suffix in (".damaged", ".damaged2"):
+        bad.with_name(bad.name + suffix).write_text("set aside before")
+    bad.write_bytes(b"not a checkpoint")
+    path, state = checkpoints.newest_loadable(tmp_path, lambda line: None)
+    assert path == checkpoints.path_of(tmp_path, 1) and state["step"] == 1
+    assert bad.with_name(bad.name + ".damaged3").read_bytes() == b"not a checkpoint"
+    assert [bad.with_name(bad.name + s).read_text() for s in (".damaged", ".damaged2")] == [
+        "set aside before"] * 2
+
+
 @pytest.mark.compat
 def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(good_run, tmp_path):
     """1 KB overwritten in the tensor data of the newest checkpoint (it loads, but fails its

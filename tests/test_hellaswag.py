@@ -98,6 +98,8 @@ def test_standalone_script_scores_a_model(gpt_tiny, examples_file):
     (lambda text: text[:-30], "line 8 is not complete JSON \\(a truncated or corrupted file\\?\\)"),
     (lambda text: text.replace('roof. He", "label": 3', 'roof. He", "label": 7'),
      "line 7 is not a HellaSwag example"),
+    (lambda text: text.replace('roof. He", "label": 3', 'roof. He", "label": 4'),  # one past the last
+     "line 7 is not a HellaSwag example"),
     (lambda text: text.replace('"ctx"', '"context"', 1), "line 1 is not a HellaSwag example"),
     (lambda text: text.replace('"endings": [', '"endings": ["one more", ', 1),
      "line 1 is not a HellaSwag example \\(ctx: str, endings: 4 str, label: 0-3\\)"),

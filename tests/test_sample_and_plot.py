@@ -126,6 +126,15 @@ def test_a_temperature_not_finite_and_positive_is_refused(trained, temperature, 
                                  "--num_samples >= 1, --max_new_tokens >= 0\n")
 
 
+def test_a_training_sample_hands_the_model_back_in_training_mode():
+    """training_sample() draws in eval mode (no dropout) and leaves every module in training mode, so
+    the steps after a sample keep their dropout."""
+    from gpt2_ddp.sampling import training_sample
+    model = GPT(train_gpt2.load_config([*TINY, "--dropout=0.1"])).train()
+    text = training_sample(model, [1, 2], 3, 0, torch.device("cpu"), contextlib.nullcontext(), lambda: None)
+    assert isinstance(text, str) and all(m.training for m in model.modules())
+
+
 def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):
     texts = []
     for options in (["--temperature", "1e-40"], ["--temperature", "1e-300"], ["--top_k", "1"]):

@@ -219,3 +219,28 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, 
         del model, optimizer
         gc.collect()  # as main() does: gloo aborts if work objects in reference cycles outlive the group
         dist.destroy_process_group()
+
+
+def test_exact_ddp_in_one_process_starts_each_step_from_a_zero_sum():
+    """ExactDDP without a process group, 2 micro-steps a step: each step's gradient is the sum of
+    that step's micro-batches alone (to float32 rounding, 1e-5), the float64 sum of the step before
+    left behind by its syncing micro-step."""
+    from gpt2_ddp import data_parallel
+    config = load_config(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--vocab_size=64",
+                          "--seq_len=16", "--compile=false", "--exact_reduction=true"])
+    tokens = torch.randint(0, 64, (2, 2, 3, 17), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = GPT(config)
+    torch.manual_seed(0)
+    raw = GPT(config)
+    model = data_parallel.ExactDDP(raw, config, torch.device("cpu"))
+    for step in tokens:
+        plain.zero_grad(set_to_none=True)
+        raw.zero_grad(set_to_none=True)
+        for micro_step, t in enumerate(step):
+            x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            model.require_backward_grad_sync = micro_step == 1
+            model(x, y)[1].backward()
+            plain(x, y)[1].backward()
+        for p, q in zip(raw.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

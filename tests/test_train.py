@@ -62,10 +62,20 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--max_lr=1e-3", "--min_lr=1e-2"], "min_lr=0.01 exceeds max_lr=0.001"),
     (["--overwrite=true"], "overwrite=true takes effect only with resume=never"),
     (["."], "config file . is a directory, not a TOML file"),
+    (["--seed=9223372036854775808"], "config key 'seed': cannot read '9223372036854775808' as int"),  # 2**63
 ])
 def test_config_errors_say_what_to_fix(argv, message):
     with pytest.raises(UserError, match=message):
         load_config(argv)
+
+
+def test_a_sample_prompt_token_at_vocab_size_is_refused():
+    """The embedding's rows are 0 .. vocab_size - 1: a sample_prompt holding the id vocab_size itself
+    ("a" is GPT-2's 64) is refused before any work, and with vocab_size one larger it is taken."""
+    config = load_config([*TINY, "--sample_interval=1", "--sample_prompt=a", "--vocab_size=64"])
+    with pytest.raises(UserError, match="sample_prompt 'a' has GPT-2 token id 64, beyond vocab_size=64"):
+        train_gpt2.sample_prompt(config)
+    assert train_gpt2.sample_prompt(dataclasses.replace(config, vocab_size=65)) == [64]
 
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])

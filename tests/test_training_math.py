@@ -184,6 +184,46 @@ def test_weight_decay_falls_on_2d_weights_alone(optimizer):
     assert not {n for n in decayed if n.endswith(".bias") or ".ln_" in n}
 
 
+def one_update(config, changes=0.0):
+    """A tiny GPT and its optimizer after one micro-batch's backward and train_gpt2.update() at lr
+    1e-3, with `changes` ranks having met a changed shard: (model, optimizer, weights before,
+    update's results)."""
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(config)
+    optimizer = model.configure_optimizers(config, "cpu")
+    x = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(x, x)[1]
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = precision.grad_scaler("float32", "ddp", torch.device("cpu"))
+    flags = torch.stack([loss.detach(), torch.tensor(0.0), torch.tensor(changes)])  # loss sum, stops, changes
+    results = train_gpt2.update(optimizer, scaler, torch.nn.utils.clip_grad_norm_, model, 1e-3, config,
+                                flags, 1)
+    return model, optimizer, before, results
+
+
+def test_a_step_that_met_a_changed_shard_updates_no_weight():
+    """update() skips the optimizer step when a rank met a changed shard, though the loss and the
+    gradient norm are finite: every weight stays as it was, while the same step without the change
+    moves them."""
+    config = train_gpt2.load_config(TINY)
+    model, _, before, results = one_update(config, changes=1.0)
+    assert results[3] == 1 and math.isfinite(results[0]) and math.isfinite(results[2])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model, _, before, _ = one_update(config)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_each_parameter_group_gets_the_schedules_lr_times_its_scale():
+    """update() sets each group's lr to the schedule's times its lr_scale: AdamW's groups the
+    schedule's lr, Muon's that lr times muon_lr / max_lr."""
+    config = train_gpt2.load_config([*TINY, "--optimizer=muon", "--muon_lr=0.05"])
+    _, optimizer, _, _ = one_update(config)
+    scale = config.muon_lr / config.max_lr
+    expected = [1e-3, 1e-3, 1e-3 * scale, 1e-3 * scale]
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(expected, rel=1e-12)
+
+
 class NanGradient(torch.autograd.Function):
     """The identity whose backward gives NaN: a finite loss with a non-finite gradient."""
 

@@ -865,7 +865,9 @@ def train(config, rank, world_size, device):
     out, existing = checkpoints.open_out_dir(config)
     # a run that will resume takes its weights from its checkpoint: GPT-2's shape is enough
     config, pretrained_state = agreed(lambda: init_from(config, config.resume == "never" or not existing))
-    log(agreed(lambda: memory_plan.checked_summary(config, world_size, device, memory_counts(config))))
+    # rank 0 alone traces the plan, for ranks on alike devices; its refusal stops every rank
+    log(agreed(lambda: memory_plan.checked_summary(config, world_size, device, memory_counts(config)),
+               master_only=True))
     prompt = sample_prompt(config)
     hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
     config, train_loader, val_loader = make_loaders(config, rank, world_size, device)

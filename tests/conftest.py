@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import train_gpt2
 from gpt2_ddp import runs
 from gpt2_ddp.shards import write_shard
-from scripts.check_equivalence import compare
+from scripts import check_equivalence
 
 
 def pytest_configure(config):
@@ -114,14 +115,34 @@ def one_thread():
 
 
 def run_training(args, nproc=1, timeout=300, torchrun=None):
-    """Runs train_gpt2.py as a user would (runs.train: plain python for one process, torchrun with
-    `nproc` workers, gloo's on CPU, NCCL's on GPUs; torchrun for one process too with
-    torchrun=True), with OMP_NUM_THREADS=1.
+    """Runs train_gpt2.py: `nproc` workers under torchrun (runs.train: gloo's on CPU, NCCL's on GPUs;
+    torchrun for one process too with torchrun=True) with OMP_NUM_THREADS=1, or one process in this
+    one (train_here), where a process of its own would add nothing but the start of one. The tests
+    of what a process does (its exit code, its one-line errors, signals) launch it themselves.
 
-    Returns the CompletedProcess; raises UserError with the output if it failed.
+    Returns the CompletedProcess (for one process here: the console as stdout); raises UserError
+    with the output if the run failed, or what main() raised for one here.
     """
+    if nproc == 1 and not torchrun:
+        return subprocess.CompletedProcess(["train_gpt2.py", *args], 0, train_here(args), "")
     return runs.train(args, nproc, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"),
                       torchrun=torchrun)
+
+
+def compare(train_args, world_sizes, out_root):
+    """check_equivalence.compare with its world size 1 run in this process, as run_training runs it."""
+    launch = runs.train
+
+    def train(args, nproc=1, python=sys.executable, **kwargs):
+        if nproc == 1 and python == sys.executable:
+            return run_training(args)
+        return launch(args, nproc, python, **kwargs)
+
+    runs.train = train
+    try:
+        return check_equivalence.compare(train_args, world_sizes, out_root)
+    finally:
+        runs.train = launch
 
 
 def read_log(out_dir):

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, markov_tokens, read_log, run_training
+from conftest import ROOT, TINY, compare, markov_tokens, read_log, run_training
 from gpt2_ddp import runs
 from gpt2_ddp.shards import write_shard
 from gpt2_ddp.tokenizer import EOT_TOKEN
-from scripts.check_equivalence import compare
 from test_faults import children, wait_for_step
 from train_gpt2 import DataLoader
 

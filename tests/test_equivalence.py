@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, assert_bitwise_same_run, free_port,
-                      read_log)
-from scripts.check_equivalence import compare, print_table
+from conftest import (EQUIV, EVALS, HELLASWAG_EVALS, ROOT, STEPS, assert_bitwise_same_run, compare,
+                      free_port, read_log)
+from scripts.check_equivalence import print_table
 
 
 @pytest.mark.compat

@@ -8,10 +8,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import EQUIV, assert_bitwise_same_run, hellaswag_args, read_log, run_training
+from conftest import EQUIV, assert_bitwise_same_run, compare, hellaswag_args, read_log, run_training
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.muon import Chain, Muon, orthogonalize
-from scripts.check_equivalence import compare
 from train_gpt2 import GPT, load_config, meta_model
 
 STEPS, CHECKPOINT_STEP = 12, 8

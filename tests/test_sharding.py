@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EQUIV, assert_bitwise_same_run, hellaswag_args, read_log, run_training
+from conftest import EQUIV, assert_bitwise_same_run, compare, hellaswag_args, read_log, run_training
 from scripts import timeline
-from scripts.check_equivalence import compare
 from train_gpt2 import GPT, load_config
 
 # each sharded mode runs another seed than test_equivalence.py's, so that with ddp's three

@@ -1,5 +1,6 @@
 """Checkpoints, exact resume, dead ranks and bad input: each fault the way a user meets it."""
 
+import gc
 import json
 import os
 import re
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, free_port, make_shards, read_log, run_training, write_hellaswag
+from conftest import (ROOT, TINY, free_port, make_shards, read_log, run_training, train_here,
+                      write_hellaswag)
 from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
@@ -298,12 +300,22 @@ def test_survivors_exit_within_the_collective_timeout(data_dir, tmp_path, fault)
 
 # --- bad input ------------------------------------------------------------------------------------
 
-def train_error(*args):
-    """Runs train_gpt2.py expecting a one-line error; returns stderr."""
+def train_error(*args, process=False):
+    """train_gpt2.py's one-line error for TINY and `args`, as its stderr shows it: the UserError that
+    main() raises in this process, or with process=True the stderr of a process of its own, checked
+    to be that one line and exit code 1."""
+    if not process:
+        with pytest.raises(UserError) as error:
+            train_here([*TINY, *args])
+        line = f"train_gpt2.py: error: {error.value}\n"
+        del error
+        gc.collect()  # the run's frames, in the traceback's cycles, hold its out_dir lock open
+        return line
     proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("train_gpt2.py: error: ")
+    assert proc.stderr.count("\n") == 1, proc.stderr
     return proc.stderr
 
 
@@ -335,7 +347,7 @@ def test_docs_own_text_path_runs_as_written_on_100_kb_and_says_what_it_chose(tmp
 def test_bad_data_is_named_with_the_fix(tmp_path):
     big = tmp_path / "big_ids"
     make_shards(big)
-    err = train_error(f"--data_dir={tmp_path}/missing", f"--out_dir={tmp_path}/new/o")
+    err = train_error(f"--data_dir={tmp_path}/missing", f"--out_dir={tmp_path}/new/o", process=True)
     assert (f"in {tmp_path}/missing, which does not exist; data dirs beside it with shards: {big}; make "
             f"them with `python prepare_data.py --input FILES --name missing --output_dir {tmp_path}/missing`, "
             f"then rerun `python train_gpt2.py ") in err
@@ -891,7 +903,7 @@ def test_a_missing_compiler_is_one_line_naming_compile_false(good_run, tmp_path)
 
 def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
     from train_gpt2 import load_config, init_from
-    assert "config key 'out_dir' must be a path, not empty, got ''" in train_error("--out_dir=")
+    assert "config key 'out_dir' must be a path, not empty, got ''" in train_error("--out_dir=", process=True)
     monkeypatch.setenv("HOME", str(tmp_path))
     config = load_config(["--out_dir=~/runs/x", "--data_dir=~/data", "--init_from=~/gone"])
     assert (config.out_dir, config.data_dir) == (f"{tmp_path}/runs/x", f"{tmp_path}/data")

@@ -6,14 +6,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, compare, markov_tokens, read_log, run_training
+from conftest import ROOT, TINY, compare, markov_tokens, read_log, run_training, train_here
 from gpt2_ddp import runs
+from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
 from gpt2_ddp.tokenizer import EOT_TOKEN
 from test_faults import children, wait_for_step
@@ -144,12 +144,13 @@ def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_p
     else:
         run_training([*args, f"--data_order={then}"])
     ckpt = sorted(tmp_path.glob("ckpt_*.pt"))[-1]
-    proc = subprocess.run([sys.executable, "train_gpt2.py", *args, f"--max_steps={STEPS + 1}",
-                           f"--data_order={now}"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr == (
-        f"train_gpt2.py: error: checkpoint {ckpt} read its data in data_order={then}: "
+    with pytest.raises(UserError) as refused:
+        train_here([*args, f"--max_steps={STEPS + 1}", f"--data_order={now}"])
+    assert str(refused.value) == (
+        f"checkpoint {ckpt} read its data in data_order={then}: "
         f"resume with --data_order={then}, or start a new run from its weights with --out_dir=NEW_DIR "
-        f"--init_from={tmp_path}\n")
+        f"--init_from={tmp_path}")
+
 
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
                                                                                       monkeypatch):

@@ -27,14 +27,17 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
         [sys.executable, "-m", "scripts.bench", *args, f"--data_dir={tmp_path}/data",
          "--total_batch_size=128", "--nproc", "2", "--steps", "3", "--variants", "eager",
          "compile", "compile_ddp", "exact:--exact_reduction=true,--compile=false", "muon",
-         "--micro_batch_sizes", "1", "--out_dir", str(tmp_path / "bench")],
+         "--out_dir", str(tmp_path / "bench")],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (earlier / "old.txt").exists() and (earlier / bench.MARKER).is_file()
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["variant", "tok/s", "ms/step", "MFU"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert set(rows) == {"eager", "compile", "compile_ddp", "exact", "muon", "B=1"}
+    assert set(rows) == {"eager", "compile", "compile_ddp", "exact", "muon"}
+    # a micro-batch size is one more variant, run as the named ones are
+    assert bench.plan(["eager"], [1, 4])[1:] == [("B=1", ["--micro_batch_size=1"]),
+                                                 ("B=4", ["--micro_batch_size=4"])]
     for name in rows:  # each run shows on stderr as it trains
         assert f"{name}: started\n" in proc.stderr and f"{name}: finished in " in proc.stderr
         assert re.search(rf"^{re.escape(name)}: step +\d+/\d+ \| loss", proc.stderr, re.M), proc.stderr

@@ -134,6 +134,7 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
         os.kill(os.getpid(), signal.SIGHUP)  # a closed ssh connection's, to plain python
         assert received == [signal.SIGTERM, signal.SIGHUP]
+        assert received.first() == signal.SIGTERM  # the one the run's last line and exit code name
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
     finally:
         for s, handler in previous.items():

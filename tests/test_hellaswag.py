@@ -138,6 +138,29 @@ def test_a_model_with_a_smaller_vocabulary_is_refused(examples_file):
         hellaswag.render_all(examples, 32, 512)
 
 
+def test_a_token_id_equal_to_vocab_size_is_refused_and_one_below_is_scored():
+    """The embedding's rows are 0 .. vocab_size - 1: an example whose largest GPT-2 token id equals
+    vocab_size is refused, and with vocab_size one above it the example renders."""
+    example = NATURAL[1]
+    largest = int(hellaswag.render(example, gpt2_encoding(), 64)[0].max())
+    with pytest.raises(UserError, match=f"example 1 has GPT-2 token id {largest}, beyond"):
+        hellaswag.render_all([example], 64, largest)
+    assert hellaswag.render_all([example], 64, largest + 1)[0][2] == example["label"]
+
+
+def test_a_candidate_longer_than_block_size_keeps_its_ending_and_cuts_the_contexts_start():
+    """render() at a block_size below context + ending keeps each candidate's last block_size tokens:
+    the whole ending, masked 1, after the end of the context, masked 0."""
+    enc, example, block_size = gpt2_encoding(), NATURAL[1], 20  # a 23-token context
+    ctx = enc.encode_ordinary(example["ctx"])
+    tokens, mask = hellaswag.render(example, enc, block_size)
+    assert tokens.shape == mask.shape == (4, block_size)
+    for row, ending in enumerate(example["endings"]):
+        end = enc.encode_ordinary(" " + ending)
+        assert tokens[row].tolist() == (ctx + end)[-block_size:]
+        assert mask[row].tolist() == [0] * (block_size - len(end)) + [1] * len(end)
+
+
 def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # refused
     target = tmp_path / "hellaswag" / "hellaswag_val.jsonl"

@@ -65,6 +65,18 @@ def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer, dtype):
         assert measured[part] == planned[part], part
 
 
+def test_zero2_and_fsdp_plan_a_world_sizes_share_of_the_optimizer_state():
+    """ddp keeps AdamW's whole state (8 bytes a parameter) on each rank; zero2 and fsdp keep
+    1/world_size of it (test_sharding.py measures that share in real runs)."""
+    model = meta_model(SMALL)  # the activations, which the optimizer state does not involve, untraced
+    counts = memory_plan.count(model, model.configure_optimizers(SMALL, "meta")) | {"activations": 0}
+    state = 8 * sum(p.numel() for p in model.parameters())
+    for world_size in (1, 4):
+        for mode, share in (("ddp", 1), ("zero2", world_size), ("fsdp", world_size)):
+            planned = memory_plan.plan(dataclasses.replace(SMALL, sharding=mode), world_size, counts)
+            assert planned["optimizer state"] == state / share, (mode, world_size)
+
+
 def profiled_bytes_per_sequence(config):
     """Bytes per sequence of seq_len tokens that one real forward and backward of GPT(config) on the
     CPU, under config.dtype's autocast, allocates at its peak beyond what does not grow with the

@@ -130,9 +130,12 @@ def test_a_training_sample_hands_the_model_back_in_training_mode():
     """training_sample() draws in eval mode (no dropout) and leaves every module in training mode, so
     the steps after a sample keep their dropout."""
     from gpt2_ddp.sampling import training_sample
-    model = GPT(train_gpt2.load_config([*TINY, "--dropout=0.1"])).train()
-    text = training_sample(model, [1, 2], 3, 0, torch.device("cpu"), contextlib.nullcontext(), lambda: None)
+    torch.manual_seed(0)
+    model = GPT(train_gpt2.load_config([*TINY, "--dropout=0.5"])).train()
+    args = [1, 2], 16, 0, torch.device("cpu"), contextlib.nullcontext(), lambda: None
+    text = training_sample(model, *args)
     assert isinstance(text, str) and all(m.training for m in model.modules())
+    assert training_sample(model.eval(), *args) == text  # the draw of the model without dropout
 
 
 def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):
@@ -325,6 +328,18 @@ def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path
     assert titles == ["loss", "learning rate", "gradient norm", "muon_lr", "z_loss"]
     (z_loss,) = figures[0].axes[4].lines
     assert list(z_loss.get_xdata()) == [2, 3] and list(z_loss.get_ydata()) == [42.0, 43.0]
+
+
+def test_logs_in_directories_of_one_name_are_each_drawn_under_a_label_of_their_own(tmp_path, monkeypatch):
+    """Three out_dirs all named `run` (in other parents) are three runs: run, run' and run''."""
+    figures = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+    logs = []
+    for i, parent in enumerate("abc"):
+        (tmp_path / parent).mkdir()
+        logs.append(write_log(tmp_path / parent / "run", [{"step": 1, "val_loss": 3.0 - i}]))
+    plot.main([str(log) for log in logs])
+    assert [line.get_label() for line in figures[0].axes[0].lines] == ["run val", "run' val", "run'' val"]
 
 
 def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):

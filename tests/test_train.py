@@ -69,6 +69,12 @@ def test_config_errors_say_what_to_fix(argv, message):
         load_config(argv)
 
 
+def test_min_lr_equal_to_max_lr_is_a_constant_schedule():
+    """min_lr may equal max_lr (only above it is refused): after warmup every step's lr is max_lr."""
+    config = load_config(["--max_lr=1e-3", "--min_lr=1e-3", "--warmup_steps=2", "--max_steps=10"])
+    assert [train_gpt2.get_lr(step, config) for step in range(2, 11)] == [1e-3] * 9
+
+
 def test_a_sample_prompt_token_at_vocab_size_is_refused():
     """The embedding's rows are 0 .. vocab_size - 1: a sample_prompt holding the id vocab_size itself
     ("a" is GPT-2's 64) is refused before any work, and with vocab_size one larger it is taken."""

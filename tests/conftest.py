@@ -2,6 +2,7 @@
 fork of the model with rotary position embeddings (RopeGPT)."""
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -235,6 +236,7 @@ def train_here(args):
             code = train_gpt2.main(args)
     finally:
         torch.set_float32_matmul_precision(precision)
+        gc.collect()  # the run's objects in reference cycles hold its out_dir lock until collected
     assert code == 0, console.getvalue()
     return console.getvalue()
 

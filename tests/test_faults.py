@@ -310,7 +310,7 @@ def train_error(*args, process=False):
             train_here([*TINY, *args])
         line = f"train_gpt2.py: error: {error.value}\n"
         del error
-        gc.collect()  # the run's frames, in the traceback's cycles, hold its out_dir lock open
+        gc.collect()  # the traceback's frames hold the run's out_dir lock until collected
         return line
     proc = subprocess.run([sys.executable, "train_gpt2.py", *TINY, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -379,6 +379,21 @@ def test_a_launch_mistake_is_one_line(env, message, monkeypatch):
         train_gpt2.main([*TINY, "--device=cpu"])
 
 
+def test_an_error_that_other_ranks_alone_find_is_raised_on_rank_0_too(monkeypatch):
+    """agreed() raises on every rank the error of the lowest rank that found one, rank 0 included
+    when it found none: here rank 0 of 3, whose peers' errors arrive in the all-gather."""
+    from gpt2_ddp import collectives
+
+    def all_gather_object(out, obj):
+        out[:] = [obj, "rank 1's error", "rank 2's error"]
+
+    monkeypatch.setattr(collectives.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(collectives.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(collectives.dist, "all_gather_object", all_gather_object)
+    with pytest.raises(UserError, match="^rank 1's error$"):
+        collectives.agreed(lambda: "rank 0's result")
+
+
 def test_a_rank_whose_peer_never_joins_is_one_line_naming_the_timeout(tmp_path):
     """Rank 0 of two whose peer never starts, and rank 1 whose rank 0 never starts: each ends in one
     line within the collective timeout, not c10d's exception or its logged C++ stack."""
@@ -533,6 +548,22 @@ def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_n
     assert bad.with_name(bad.name + ".damaged3").read_bytes() == b"not a checkpoint"
     assert [bad.with_name(bad.name + s).read_text() for s in (".damaged", ".damaged2")] == [
         "set aside before"] * 2
+
+
+def test_overwrite_keeps_a_first_checkpoint_that_has_an_old_ones_name(tmp_path):
+    """With overwrite, the first save deletes the old checkpoints and log but not the new checkpoint,
+    though it takes the name of an old one (the same step): it is the only one left, and loads."""
+    state = {"model": {}, "optimizer": {}, "config": {}, "step": 1, "loader": {}}
+    old = [checkpoints.path_of(tmp_path, step) for step in (1, 2)]
+    for path in old:
+        checkpoints.save(path, {**state, "step": 0})
+    (tmp_path / "log.jsonl").write_text('{"step": 2, "loss": 3.0}\n')
+    out = checkpoints.OutDir(tmp_path)
+    out.start(0, None, old)
+    assert out.save(1, state, keep=0) == old[0]
+    assert checkpoints.listed(tmp_path) == [old[0]] and checkpoints.load(old[0])["step"] == 1
+    assert not (tmp_path / "log.jsonl.old").exists()
+    out.lock.close()
 
 
 @pytest.mark.compat

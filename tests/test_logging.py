@@ -285,6 +285,22 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
         assert capsys.readouterr().out == ("waiting for the val loss\n" if slow else "")
 
 
+def test_the_first_step_after_a_resume_logs_the_optimizer_state_bytes():
+    """A run resumed at step 10 logs rank 0's optimizer state bytes in step 11's record, as a fresh
+    run does in step 1's, and in no later record."""
+    config = load_config([*TINY, "--max_steps=20"])
+    model = GPT(config)
+    optimizer = model.configure_optimizers(config, "cpu")
+    records = []
+    metrics = train_gpt2.Metrics(types.SimpleNamespace(log=records.append), config, 0, 1,
+                                 torch.device("cpu"), model, 10)
+    for step in (11, 12):
+        metrics.train_step(step, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, None, False, False)
+    metrics.close()
+    assert [record["step"] for record in records] == [11, 12]
+    assert "optimizer_state_bytes" in records[0] and "optimizer_state_bytes" not in records[1]
+
+
 def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_path, tiny_data, monkeypatch,
                                                                            one_thread, capsys):
     """A fork (a z-loss added to GPT's loss) puts its value in `extra_metrics` from its forward,

@@ -128,11 +128,13 @@ def test_the_val_loss_is_the_mean_over_val_batches_at_any_world_size(data_dir, m
     of the val split, computed apart from evaluate() in one forward of their tokens read straight
     from the shard (rtol 1e-5, float32 rounding), where val_batches does not divide over the ranks
     too: micro-batch g is read on rank g % world_size, every rank reads as many, and those past
-    val_batches weigh nothing."""
+    val_batches weigh nothing. evaluate() hands the model back in training mode (the next steps'
+    dropout)."""
     config = train_gpt2.load_config(TINY)
     torch.manual_seed(0)
     model = train_gpt2.GPT(config)
     losses, read = evaluate_on_ranks(model, data_dir, val_batches, world_size, monkeypatch)
+    assert all(m.training for m in model.modules())
     per_rank = math.ceil(val_batches / world_size)
     assert read == [list(range(rank, per_rank * world_size, world_size)) for rank in range(world_size)]
     tokens = np.fromfile(data_dir / "tiny_val_000000.bin", dtype="<u2", offset=1024).astype(np.int64)

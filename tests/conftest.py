@@ -115,6 +115,21 @@ def one_thread():
         yield
 
 
+def recording(events, what, function):
+    """`function`, appending `what` to the list `events` at each call."""
+    def record(*args, **kwargs):
+        events.append(what)
+        return function(*args, **kwargs)
+    return record
+
+
+def record_host_reads(monkeypatch, events):
+    """Appends "read" to `events` whenever a tensor's value reaches Python (every way: item, tolist,
+    bool, float, int), until the test ends."""
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, recording(events, "read", getattr(torch.Tensor, name)))
+
+
 def run_training(args, nproc=1, timeout=300, torchrun=None):
     """Runs train_gpt2.py: `nproc` workers under torchrun (runs.train: gloo's on CPU, NCCL's on GPUs;
     torchrun for one process too with torchrun=True) with OMP_NUM_THREADS=1, or one process in this

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, run_training, write_hellaswag
+from conftest import ROOT, TINY, record_host_reads, recording, run_training, write_hellaswag
 from gpt2_ddp import runs
 from gpt2_ddp.metrics import Waiting
 from train_gpt2 import GPT, UserError, load_config
@@ -322,18 +322,10 @@ def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_p
             return logits, loss
 
     events = []
-
-    def recording(what, function):
-        def record(*args, **kwargs):
-            events.append(what)
-            return function(*args, **kwargs)
-        return record
-
     monkeypatch.setattr(train_gpt2, "GPT", ZLossGPT)
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):  # a tensor's value to the host
-        monkeypatch.setattr(torch.Tensor, name, recording("read", getattr(torch.Tensor, name)))
-    monkeypatch.setattr(train_gpt2.Metrics, "step_begins", recording("begin", train_gpt2.Metrics.step_begins))
-    monkeypatch.setattr(train_gpt2.Metrics, "train_step", recording("log", train_gpt2.Metrics.train_step))
+    record_host_reads(monkeypatch, events)
+    for name, what in (("step_begins", "begin"), ("train_step", "log")):
+        monkeypatch.setattr(train_gpt2.Metrics, name, recording(events, what, getattr(train_gpt2.Metrics, name)))
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     out = tmp_path / "out"

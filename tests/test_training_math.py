@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 import train_gpt2
-from conftest import TINY, read_log, run_training
+from conftest import TINY, read_log, record_host_reads, recording, run_training
 from gpt2_ddp import checkpoints, precision
 
 STEPS = 4
@@ -279,9 +279,6 @@ def test_a_skipped_non_finite_step_changes_no_weight_and_no_optimizer_state(data
     assert not all(torch.equal(first[k], before[k]) for k in before)
 
 
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")  # a tensor's value to the host
-
-
 @pytest.mark.parametrize("dtype, optimizer", [("float32", "adamw"), ("float16", "muon")])
 def test_a_step_reads_the_device_once_after_its_update_and_the_next_batch_are_queued(
         data_dir, tmp_path, monkeypatch, dtype, optimizer):
@@ -291,18 +288,11 @@ def test_a_step_reads_the_device_once_after_its_update_and_the_next_batch_are_qu
     and the GPU never waits for the host's launches or reads. Counted on the CPU by wrapping every
     way a tensor's value reaches Python."""
     events = []
-
-    def recording(what, function):
-        def record(*args, **kwargs):
-            events.append(what)
-            return function(*args, **kwargs)
-        return record
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, recording("read", getattr(torch.Tensor, name)))
-    monkeypatch.setattr(train_gpt2.Metrics, "step_begins", recording("begin", train_gpt2.Metrics.step_begins))
-    monkeypatch.setattr(train_gpt2.precision, "step_unless", recording("step", train_gpt2.precision.step_unless))
-    monkeypatch.setattr(train_gpt2.DataLoader, "prefetch", recording("prefetch", train_gpt2.DataLoader.prefetch))
+    record_host_reads(monkeypatch, events)
+    for owner, name, what in ((train_gpt2.Metrics, "step_begins", "begin"),
+                              (train_gpt2.precision, "step_unless", "step"),
+                              (train_gpt2.DataLoader, "prefetch", "prefetch")):
+        monkeypatch.setattr(owner, name, recording(events, what, getattr(owner, name)))
     assert train_gpt2.main([*ARGS, "--max_steps=5", f"--dtype={dtype}", f"--optimizer={optimizer}",
                             f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
     steps = [s.split() for s in " ".join(events[events.index("begin"):]).split("begin")[1:]]

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,40 @@ def compare(train_args, world_sizes, out_root):
         runs.train = launch
 
 
+def train_together(arg_lists, nproc, timeout=900):
+    """Trains each of `arg_lists` in turn, all in one torchrun launch of `nproc` workers
+    (tests/many_runs.py), which start and import torch once for them all. Raises UserError with the
+    output if a run failed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as listed:
+        json.dump(arg_lists, listed)
+        listed.flush()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "tests" / "many_runs.py"), listed.name]
+        code, stdout, stderr = runs.stream(cmd, lambda line, from_stdout: None, timeout,
+                                           dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    if code != 0:
+        raise runs.UserError(f"{' '.join(cmd)} failed ({code}):\n{stdout}\n{stderr}")
+
+
+def compare_together(calls):
+    """compare(train_args, world_sizes, out_root) for each (train_args, world_sizes, out_root) of
+    `calls`, in a list; the runs of each world size above 1, of every call, in one launch
+    (train_together)."""
+    for n in sorted({n for _, world_sizes, _ in calls for n in world_sizes} - {1}):
+        train_together([[*args, f"--out_dir={Path(out) / f'world_size_{n}'}", "--resume=never",
+                         "--overwrite=true"] for args, world_sizes, out in calls if n in world_sizes], n)
+    launch = runs.train
+
+    def trained(args, nproc=1, python=sys.executable, **kwargs):
+        return run_training(args) if nproc == 1 else None
+
+    runs.train = trained
+    try:
+        return [check_equivalence.compare(*call) for call in calls]
+    finally:
+        runs.train = launch
+
+
 def read_log(out_dir):
     """The records of {out_dir}/log.jsonl, split into train steps and evals."""
     steps, evals, _ = runs.split_records(runs.read_log(out_dir))
@@ -215,11 +250,20 @@ def equiv_runs_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def equiv_runs(equiv_data_dir, equiv_runs_dir):
-    """The EQUIV config, with HellaSwag, trained in ddp mode at world sizes 1 (plain python, all
-    cores), 2 and 4."""
-    return compare([*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)],
-                   [1, 2, 4], equiv_runs_dir)
+def equiv_and_default_mode_runs(equiv_data_dir, equiv_runs_dir, tmp_path_factory):
+    """compare's runs of the EQUIV config, with HellaSwag, in ddp mode at world sizes 1, 2 and 4; and
+    of the EQUIV config without exact_reduction at world sizes 1 and 2 (one launch a world size)."""
+    return compare_together([
+        ([*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)], [1, 2, 4], equiv_runs_dir),
+        ([*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false"], [1, 2],
+         tmp_path_factory.mktemp("default_mode_runs"))])
+
+
+@pytest.fixture(scope="session")
+def equiv_runs(equiv_and_default_mode_runs):
+    """The EQUIV config, with HellaSwag, trained in ddp mode at world sizes 1 (in this process), 2
+    and 4."""
+    return equiv_and_default_mode_runs[0]
 
 
 @pytest.fixture(scope="session")

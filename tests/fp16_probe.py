@@ -2,13 +2,15 @@
 script (plain python, or under torchrun with the repository root on PYTHONPATH), or instrument()
 in the test's own process.
 
-Overflow steps (PROBE_OVERFLOW_STEPS="2,3" for the script) make those updates' gradients overflow:
+Overflow steps (instrument's, or a run's "overflow_steps" for the script) make those updates' gradients overflow:
 just before unscale_, element 0 of the first parameter's gradient becomes inf where this rank
 holds it. That is every rank in ddp, whose gradients are all-reduced, and rank 0 in zero2 and fsdp,
 whose slice or rows hold it: an overflow in one rank's part of the model, which every rank must
 agree to skip. Every world size and mode thus overflows in the same element of the same steps.
 The records, per update: the loss scale after update() and whether the update moved the first
-parameter; the script writes them to PROBE_OUT/rank{RANK}.json.
+parameter. The script's argument is a JSON file of a list of runs, each {"args": train_gpt2.py's
+arguments, "overflow_steps": [...], "out": the folder of its rank{RANK}.json}, trained in turn
+(tests/many_runs.py).
 """
 
 import json
@@ -20,7 +22,11 @@ from pathlib import Path
 import torch
 
 from gpt2_ddp import precision
+import many_runs
 import train_gpt2
+
+
+MARK = "fp16_probe: the run into "
 
 
 def instrument(overflow_steps, rank):
@@ -62,12 +68,19 @@ def instrument(overflow_steps, rank):
     return records, lambda: setattr(precision, "grad_scaler", grad_scaler)
 
 
-if __name__ == "__main__":
+def probed_run(run):
+    """train_gpt2.main(run["args"]) with instrument(run["overflow_steps"]), its console after a line
+    of MARK and run["out"] on rank 0; writes the records to run["out"]/rank{RANK}.json."""
     rank = int(os.environ.get("RANK", "0"))
-    steps = {int(s) for s in os.environ.get("PROBE_OVERFLOW_STEPS", "").split(",") if s}
-    records, _ = instrument(steps, rank)
+    if rank == 0:
+        print(f"{MARK}{run['out']}")
+    records, restore = instrument(set(run["overflow_steps"]), rank)
     try:
-        code = train_gpt2.main(sys.argv[1:])
+        return train_gpt2.main(run["args"])
     finally:
-        (Path(os.environ["PROBE_OUT"]) / f"rank{rank}.json").write_text(json.dumps(records))
-    sys.exit(code)
+        restore()
+        (Path(run["out"]) / f"rank{rank}.json").write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    many_runs.run_each(json.loads(open(sys.argv[1]).read()), probed_run)

@@ -30,10 +30,9 @@ def test_world_sizes_1_2_4_train_bitwise_the_same_model_with_dropout(equiv_runs)
 
 
 @pytest.fixture(scope="module")
-def default_mode_runs(equiv_data_dir, tmp_path_factory):
+def default_mode_runs(equiv_and_default_mode_runs):
     """The EQUIV config without exact_reduction, at world sizes 1 and 2."""
-    return compare([*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false"], [1, 2],
-                   tmp_path_factory.mktemp("default_mode_runs"))
+    return equiv_and_default_mode_runs[1]
 
 
 def test_default_mode_agrees_to_rounding_then_drifts(default_mode_runs, equiv_runs):

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import EQUIV, assert_bitwise_same_run, compare, hellaswag_args, read_log, run_training
+from conftest import (EQUIV, assert_bitwise_same_run, compare, compare_together, hellaswag_args, read_log,
+                      run_training)
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.muon import Chain, Muon, orthogonalize
 from train_gpt2 import GPT, load_config, meta_model
@@ -130,8 +131,9 @@ def muon_runs(equiv_data_dir, tmp_path_factory):
     """The MUON config in ddp at world sizes 1, 2 and 4, in zero2 and fsdp at 2 and 4 (one rank
     owns every matrix there, as in ddp at 1), and the folder of each mode's runs."""
     out = tmp_path_factory.mktemp("muon")
-    return {mode: (compare([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode],
-                           out / mode), out / mode) for mode in WORLD_SIZES}
+    results = compare_together([([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode],
+                                 out / mode) for mode in WORLD_SIZES])
+    return {mode: (result, out / mode) for mode, result in zip(WORLD_SIZES, results)}
 
 
 WORLD_SIZES = {"ddp": [1, 2, 4], "zero2": [2, 4], "fsdp": [2, 4]}

@@ -58,17 +58,20 @@ def in_process(args, out, overflow_steps=()):
     return result(out, console.getvalue(), [records])
 
 
-def under_torchrun(args, out, overflow_steps=()):
-    """Trains `args` into `out` at world size 2 under torchrun, tests/fp16_probe.py the workers'
-    script; returns result()."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PROBE_OUT=str(out),
-               PROBE_OVERFLOW_STEPS=",".join(map(str, overflow_steps)))
+def under_torchrun(runs):
+    """Trains each of `runs`, (args, out, overflow_steps), into its out at world size 2, all in one
+    launch of torchrun with tests/fp16_probe.py the workers' script; returns result() of each."""
+    listed = runs[0][1].parent / "probed_runs.json"
+    listed.write_text(json.dumps([{"args": [*args, f"--out_dir={out}"], "out": str(out),
+                                   "overflow_steps": list(overflow_steps)} for args, out, overflow_steps in runs]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(ROOT / "tests" / "fp16_probe.py"), *args,
-                           f"--out_dir={out}"], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
+                           "--nproc_per_node=2", str(ROOT / "tests" / "fp16_probe.py"), str(listed)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return result(out, proc.stdout, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
+    consoles = dict(part.split("\n", 1) for part in proc.stdout.split(fp16_probe.MARK)[1:])
+    return [result(out, consoles[str(out)], [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
+            for _, out, _ in runs]
 
 
 def result(out, console, ranks):
@@ -84,14 +87,14 @@ def result(out, console, ranks):
 @pytest.fixture(scope="module")
 def precision_runs(equiv_data_dir, tmp_path_factory):
     """{dtype: {(mode, world_size): result()}}, float16's with its overflows."""
-    def run(dtype, mode, optimizer, n):
-        train = in_process if n == 1 else under_torchrun
-        return train(precision_args(equiv_data_dir, dtype, mode, optimizer),
-                     tmp_path_factory.mktemp(f"{dtype}_{mode}_{n}"),
-                     OVERFLOW_STEPS if dtype == "float16" else ())
-
-    return {dtype: {(mode, n): run(dtype, mode, optimizer, n) for mode, optimizer, n in RUNS[dtype]}
-            for dtype in RUNS}
+    runs = {(dtype, mode, n): (precision_args(equiv_data_dir, dtype, mode, optimizer),
+                               tmp_path_factory.mktemp(f"{dtype}_{mode}_{n}"),
+                               OVERFLOW_STEPS if dtype == "float16" else ())
+            for dtype in RUNS for mode, optimizer, n in RUNS[dtype]}
+    launched = [key for key in runs if key[2] == 2]
+    results = dict(zip(launched, under_torchrun([runs[key] for key in launched])))
+    results.update({key: in_process(*run) for key, run in runs.items() if key[2] == 1})
+    return {dtype: {(mode, n): results[(dtype, mode, n)] for mode, _, n in RUNS[dtype]} for dtype in RUNS}
 
 
 def assert_bitwise_same(run, reference):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EQUIV, assert_bitwise_same_run, compare, hellaswag_args, read_log, run_training
+from conftest import (EQUIV, assert_bitwise_same_run, compare, compare_together, hellaswag_args, read_log,
+                      run_training)
 from scripts import timeline
 from train_gpt2 import GPT, load_config
 
@@ -29,16 +30,33 @@ def seeded_args(mode, data_dir):
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(equiv_data_dir, tmp_path_factory):
-    """For each sharded mode: its runs at world sizes 1, 2 and 4, and ddp's at world size 1, of
-    that mode's seed, as check_equivalence.compare returns them, and the folder of its runs."""
-    runs = {}
+def sharding_runs(equiv_data_dir, tmp_path_factory):
+    """compare's runs of this file, with the folder of each, by name: each sharded mode at world
+    sizes 1, 2 and 4 (its name) and ddp at 1 (ddp_{mode}), of that mode's seed; with activation
+    checkpointing at 2 (checkpointed_{mode}); each mode without exact_reduction at 2 for 6 steps
+    (default_{mode}); zero2 profiled at 2 for 7 steps (profiled). One launch a world size."""
+    calls = {}
     for mode in SEEDS:
         args = seeded_args(mode, equiv_data_dir)
-        out = tmp_path_factory.mktemp(mode)
-        runs[mode] = (compare([*args, f"--sharding={mode}"], [1, 2, 4], out),
-                      compare(args, [1], tmp_path_factory.mktemp(f"ddp_{mode}"))[1], out)
-    return runs
+        calls[mode] = ([*args, f"--sharding={mode}"], [1, 2, 4])
+        calls[f"ddp_{mode}"] = (args, [1])
+        calls[f"checkpointed_{mode}"] = ([*args, f"--sharding={mode}", "--activation_checkpointing=true"], [2])
+    for mode in ("ddp", *SEEDS):
+        calls[f"default_{mode}"] = ([*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false",
+                                     "--max_steps=6", f"--sharding={mode}"], [2])
+    calls["profiled"] = ([*EQUIV, f"--data_dir={equiv_data_dir}", "--sharding=zero2", "--profile=true",
+                          "--max_steps=7"], [2])
+    outs = {name: tmp_path_factory.mktemp(name) for name in calls}
+    results = compare_together([(args, world_sizes, outs[name]) for name, (args, world_sizes) in calls.items()])
+    return {name: (result, outs[name]) for name, result in zip(calls, results)}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(sharding_runs):
+    """For each sharded mode: its runs at world sizes 1, 2 and 4, and ddp's at world size 1, of
+    that mode's seed, as check_equivalence.compare returns them, and the folder of its runs."""
+    return {mode: (sharding_runs[mode][0], sharding_runs[f"ddp_{mode}"][0][1], sharding_runs[mode][1])
+            for mode in SEEDS}
 
 
 @pytest.mark.compat
@@ -64,13 +82,11 @@ def test_optimizer_state_per_rank_shrinks_with_the_world_size(equiv_runs, equiv_
 
 
 @pytest.mark.compat
-def test_sharded_modes_in_the_default_mode_agree_with_ddp_to_rounding(equiv_data_dir, tmp_path):
+def test_sharded_modes_in_the_default_mode_agree_with_ddp_to_rounding(sharding_runs):
     """Without exact_reduction each mode reduces in its own float32 order (so not bitwise), but
     the gradient is the same mean: losses and gradient norms agree with ddp's to rounding over
     the first steps. (torch 2.8's gloo summed where FSDP asked it to average: twice the norm.)"""
-    args = [*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false", "--max_steps=6"]
-    runs = {mode: compare([*args, f"--sharding={mode}"], [2], tmp_path / mode)[2]
-            for mode in ("ddp", "zero2", "fsdp")}
+    runs = {mode: sharding_runs[f"default_{mode}"][0][2] for mode in ("ddp", "zero2", "fsdp")}
     for mode in ("zero2", "fsdp"):
         for key in ("loss", "grad_norm", "val_loss"):
             np.testing.assert_allclose(runs[mode][key], runs["ddp"][key], rtol=1e-5, err_msg=mode)
@@ -111,10 +127,9 @@ def assert_same_tensors(state, reference):
 
 
 @pytest.mark.compat
-def test_zero2_trace_shows_reduce_scatters_launched_during_the_backward(equiv_data_dir, tmp_path):
-    run_training([*EQUIV, f"--data_dir={equiv_data_dir}", "--sharding=zero2", "--profile=true",
-                  "--max_steps=7", f"--out_dir={tmp_path}"], nproc=2)
-    events = json.load(open(tmp_path / "trace_rank0.json"))["traceEvents"]
+def test_zero2_trace_shows_reduce_scatters_launched_during_the_backward(sharding_runs, tmp_path):
+    traces = sharding_runs["profiled"][1] / "world_size_2"
+    events = json.load(open(traces / "trace_rank0.json"))["traceEvents"]
     syncing = [e for e in events if e.get("name") == "forward_backward_sync" and e.get("ph") == "X"]
     scatters = [e for e in events if "reduce_scatter" in str(e.get("name")) and e.get("ph") == "X"]
     assert syncing and scatters
@@ -125,35 +140,36 @@ def test_zero2_trace_shows_reduce_scatters_launched_during_the_backward(equiv_da
     # scripts/timeline.py draws both ranks' traces: compute ranges, and the collectives by what
     # was issued (gloo runs a reduce-scatter as an all-reduce)
     for rank in (0, 1):
-        compute, comm = timeline.lanes(json.load(open(tmp_path / f"trace_rank{rank}.json")), steps=1)
+        compute, comm = timeline.lanes(json.load(open(traces / f"trace_rank{rank}.json")), steps=1)
         assert {kind for kind, _, _ in compute} == {"data", "forward", "backward", "optimizer"}
         assert {kind for kind, _, _ in comm} == {"reduce_scatter", "all_gather", "all_reduce"}
         n_params = len(list(GPT(load_config(EQUIV)).parameters()))
         assert sum(kind == "reduce_scatter" for kind, _, _ in comm) == n_params
         assert sum(kind == "all_gather" for kind, _, _ in comm) == n_params
-    timeline.main([str(tmp_path), "--out", str(tmp_path / "t.png")])
+    timeline.main([str(traces), "--out", str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("mode, world_size", [("ddp", 1), ("zero2", 2), ("fsdp", 2)])
 def test_activation_checkpointing_changes_no_number(mode, world_size, equiv_runs, equiv_runs_dir,
-                                                    equiv_data_dir, sharded_runs, tmp_path):
+                                                    equiv_data_dir, sharding_runs, tmp_path):
     """With activation_checkpointing the backward recomputes each block's forward, dropout 0.1
     included (its RNG state is restored): the losses, val losses and final weights are bitwise
     those of the same run without it. One world size per mode: in exact mode world sizes 1 and 2
     are bitwise the same run (tested above), so ddp at 1 and the sharded modes at 2 cover both."""
     if mode == "ddp":
         args = [*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)]
-        reference, reference_dir = equiv_runs[1], equiv_runs_dir / "world_size_1"
+        result = compare([*args, "--activation_checkpointing=true"], [1], tmp_path)[1]
+        reference, reference_dir, out = equiv_runs[1], equiv_runs_dir / "world_size_1", tmp_path
     else:
-        args = [*seeded_args(mode, equiv_data_dir), f"--sharding={mode}"]
-        reference = sharded_runs[mode][0][world_size]
-        reference_dir = sharded_runs[mode][2] / f"world_size_{world_size}"
-    result = compare([*args, "--activation_checkpointing=true"], [world_size], tmp_path)[world_size]
+        result = sharding_runs[f"checkpointed_{mode}"][0][world_size]
+        out = sharding_runs[f"checkpointed_{mode}"][1]
+        reference = sharding_runs[mode][0][world_size]
+        reference_dir = sharding_runs[mode][1] / f"world_size_{world_size}"
     for key in ("loss", "val_loss", "hellaswag"):
         assert result[key] == reference[key], key
     final = sorted(reference_dir.glob("ckpt_*.pt"))[-1].name
-    assert_same_tensors(torch.load(tmp_path / f"world_size_{world_size}" / final, weights_only=True)["model"],
+    assert_same_tensors(torch.load(out / f"world_size_{world_size}" / final, weights_only=True)["model"],
                         torch.load(reference_dir / final, weights_only=True)["model"])
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
-from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training
+from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training, train_together
 from gpt2_ddp import metrics
 from gpt2_ddp.device import TORCH_FLOOR
 from gpt2_ddp.gpt2_weights import CONV1D
@@ -484,8 +484,25 @@ def test_missing_shards_name_the_command_that_makes_them(tmp_path):
 
 # --- training runs ------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """The runs of the DDP tests below, in out/{one,two,default,view}, the world size 2 ones in one
+    launch; returns (out, the console of `one`). one and two: TINY without biases for 6 steps at
+    world sizes 1 and 2; default and view: 4 steps at world size 2, with DDP's default buckets and
+    with gradients as views of 1 MB buckets."""
+    out = tmp_path_factory.mktemp("ddp_runs")
+    make_shards(out / "data")
+    common = [*TINY, f"--data_dir={out / 'data'}", "--total_batch_size=128", "--bias=false"]
+    console = run_training([*common, "--max_steps=6", f"--out_dir={out}/one"]).stdout
+    train_together([[*common, "--max_steps=6", f"--out_dir={out}/two"],
+                    [*common, "--max_steps=4", f"--out_dir={out}/default"],
+                    [*common, "--max_steps=4", f"--out_dir={out}/view", "--gradient_as_bucket_view=true",
+                     "--bucket_cap_mb=1"]], 2)
+    return out, console
+
+
 @pytest.mark.compat
-def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
+def test_ddp_two_processes_match_one_process(ddp_runs):
     """2 gloo ranks x 2 micro-steps train the same model as 1 process x 4 micro-steps.
 
     Default mode (no exact_reduction): float32 sums in another order, so a tolerance; measured
@@ -493,10 +510,7 @@ def test_ddp_two_processes_match_one_process(tiny_data, tmp_path):
     gradient that is 0 in exact arithmetic, so its float noise, scaled by AdamW up to +-lr, would
     differ between the runs without changing any output (softmax ignores a shift of the keys).
     """
-    common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=6",
-              "--bias=false"]
-    console = run_training([*common, f"--out_dir={tmp_path}/one"]).stdout
-    run_training([*common, f"--out_dir={tmp_path}/two"], nproc=2)
+    tmp_path, console = ddp_runs
     # progress: each step of max_steps, and the time left at the average pace
     assert re.search(r"^step +5/6 \| loss: [\d.]+ \| .* \| tok/sec: [\d.]+ \| eta 0:00:00$", console, re.M)
     (steps1, evals1), (steps2, evals2) = read_log(tmp_path / "one"), read_log(tmp_path / "two")
@@ -579,22 +593,19 @@ def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys)
     assert "| mfu: " not in out
 
 
-def test_ddp_bucket_options_train_the_same_model(tiny_data, tmp_path):
-    common = [*TINY, f"--data_dir={tiny_data}", "--total_batch_size=128", "--max_steps=4", "--bias=false"]
-    run_training([*common, f"--out_dir={tmp_path}/default"], nproc=2)
-    run_training([*common, f"--out_dir={tmp_path}/view", "--gradient_as_bucket_view=true",
-                  "--bucket_cap_mb=1"], nproc=2)
+def test_ddp_bucket_options_train_the_same_model(ddp_runs):
+    tmp_path, _ = ddp_runs
     np.testing.assert_allclose([s["loss"] for s in read_log(tmp_path / "view")[0]],
                                [s["loss"] for s in read_log(tmp_path / "default")[0]], rtol=1e-6)
 
 
-def test_bf16_gradient_compression_is_refused_on_gloo(tiny_data, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "train_gpt2.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
-         "--total_batch_size=128", "--grad_compression=bf16"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0
-    assert "grad_compression=bf16 needs NCCL" in proc.stderr
+def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch):
+    """As torchrun's rank 0 of 2 on the CPU: refused before the process group is joined."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match="grad_compression=bf16 needs NCCL"):
+        train_gpt2.setup_distributed(load_config([*TINY, "--grad_compression=bf16", "--collective_timeout_s=2"]))
 
 
 def test_a_compiled_run_says_that_its_first_step_waits_for_compilation(capsys):

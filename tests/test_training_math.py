@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 import train_gpt2
-from conftest import TINY, read_log, record_host_reads, recording, run_training
+from conftest import TINY, read_log, record_host_reads, recording, run_training, train_together
 from gpt2_ddp import checkpoints, precision
 
 STEPS = 4
@@ -34,12 +34,11 @@ def data_dir(tmp_path_factory):
 def runs(data_dir, tmp_path_factory):
     """The records of ARGS trained by 1 process (4 micro-steps) and by 2 ranks (2 each), in the
     default mode, and by 2 ranks in exact mode (which divides by all 4 micro-batches)."""
-    out = {}
-    for name, nproc, extra in (("1x4", 1, []), ("2x2", 2, []), ("exact", 2, ["--exact_reduction=true"])):
-        path = tmp_path_factory.mktemp(name)
-        run_training([*ARGS, *extra, f"--data_dir={data_dir}", f"--out_dir={path}"], nproc=nproc)
-        out[name] = read_log(path)[0]
-    return out
+    paths = {name: tmp_path_factory.mktemp(name) for name in ("1x4", "2x2", "exact")}
+    run_training([*ARGS, f"--data_dir={data_dir}", f"--out_dir={paths['1x4']}"])
+    train_together([[*ARGS, *extra, f"--data_dir={data_dir}", f"--out_dir={paths[name]}"]
+                    for name, extra in (("2x2", []), ("exact", ["--exact_reduction=true"]))], 2)
+    return {name: read_log(path)[0] for name, path in paths.items()}
 
 
 def test_grad_norm_of_one_process_equals_two_ranks(runs):

@@ -32,6 +32,15 @@ def pytest_configure(config):
                                        "allows, by .ci/compat (`pytest -m compat`)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups the tests for pytest-xdist's loadgroup (pytest.ini): each file's tests in a group, so
+    that its module fixtures train once, and the files that use the session's equiv_runs in one,
+    so that it trains once."""
+    shared = {item.path for item in items if "equiv_runs" in item.fixturenames}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("equiv_runs" if item.path in shared else item.path.name))
+
+
 # A GPT small enough that a few steps take seconds on one CPU core.
 TINY = [
     "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512",

@@ -9,7 +9,7 @@ import subprocess
 from conftest import ROOT
 
 TOP_LEVEL = {"train_gpt2.py", "prepare_data.py", "configs", "scripts", "requirements.txt", "README.md",
-             "tests", "docs", "assets", ".ci", ".gitignore", "gpt2_ddp"}
+             "pytest.ini", "tests", "docs", "assets", ".ci", ".gitignore", "gpt2_ddp"}
 
 
 def tracked(suffix=""):

@@ -32,15 +32,6 @@ def pytest_configure(config):
                                        "allows, by .ci/compat (`pytest -m compat`)")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups the tests for pytest-xdist's loadgroup (pytest.ini): each file's tests in a group, so
-    that its module fixtures train once, and the files that use the session's equiv_runs in one,
-    so that it trains once."""
-    shared = {item.path for item in items if "equiv_runs" in item.fixturenames}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("equiv_runs" if item.path in shared else item.path.name))
-
-
 # A GPT small enough that a few steps take seconds on one CPU core.
 TINY = [
     "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512",
@@ -263,7 +254,8 @@ def equiv_and_default_mode_runs(equiv_data_dir, equiv_runs_dir, tmp_path_factory
     """compare's runs of the EQUIV config, with HellaSwag, in ddp mode at world sizes 1, 2 and 4; and
     of the EQUIV config without exact_reduction at world sizes 1 and 2 (one launch a world size)."""
     return compare_together([
-        ([*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)], [1, 2, 4], equiv_runs_dir),
+        ([*EQUIV, f"--data_dir={equiv_data_dir}", *hellaswag_args(equiv_data_dir)], [1, 2, 4],
+         equiv_runs_dir),
         ([*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false"], [1, 2],
          tmp_path_factory.mktemp("default_mode_runs"))])
 

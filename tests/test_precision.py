@@ -63,7 +63,8 @@ def under_torchrun(runs):
     launch of torchrun with tests/fp16_probe.py the workers' script; returns result() of each."""
     listed = runs[0][1].parent / "probed_runs.json"
     listed.write_text(json.dumps([{"args": [*args, f"--out_dir={out}"], "out": str(out),
-                                   "overflow_steps": list(overflow_steps)} for args, out, overflow_steps in runs]))
+                                   "overflow_steps": list(overflow_steps)}
+                                  for args, out, overflow_steps in runs]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", str(ROOT / "tests" / "fp16_probe.py"), str(listed)],

@@ -40,14 +40,16 @@ def sharding_runs(equiv_data_dir, tmp_path_factory):
         args = seeded_args(mode, equiv_data_dir)
         calls[mode] = ([*args, f"--sharding={mode}"], [1, 2, 4])
         calls[f"ddp_{mode}"] = (args, [1])
-        calls[f"checkpointed_{mode}"] = ([*args, f"--sharding={mode}", "--activation_checkpointing=true"], [2])
+        calls[f"checkpointed_{mode}"] = ([*args, f"--sharding={mode}", "--activation_checkpointing=true"],
+                                         [2])
     for mode in ("ddp", *SEEDS):
         calls[f"default_{mode}"] = ([*EQUIV, f"--data_dir={equiv_data_dir}", "--exact_reduction=false",
                                      "--max_steps=6", f"--sharding={mode}"], [2])
     calls["profiled"] = ([*EQUIV, f"--data_dir={equiv_data_dir}", "--sharding=zero2", "--profile=true",
                           "--max_steps=7"], [2])
     outs = {name: tmp_path_factory.mktemp(name) for name in calls}
-    results = compare_together([(args, world_sizes, outs[name]) for name, (args, world_sizes) in calls.items()])
+    results = compare_together([(args, world_sizes, outs[name])
+                                for name, (args, world_sizes) in calls.items()])
     return {name: (result, outs[name]) for name, result in zip(calls, results)}
 
 

@@ -21,7 +21,7 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 PASS_ON = {"bench", "check_equivalence", "memory_plan"}
 OTHER_TOOLS = {"--standalone", "--nproc_per_node", "--nnodes", "--node_rank", "--rdzv-backend",
                "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--no-python",  # torchrun's
-               "--index-url", "--durations", "--logdir",  # pip's, pytest's, TensorBoard's
+               "--index-url", "--durations", "--dist", "--logdir",  # pip's, pytest's, TensorBoard's
                "--key"}  # --key=value, the form of an override
 # the shapes of train_gpt2.py's console lines that the docs quote
 LINES = {

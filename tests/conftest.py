@@ -162,19 +162,21 @@ def compare(train_args, world_sizes, out_root):
         runs.train = launch
 
 
-def train_together(arg_lists, nproc, timeout=900):
-    """Trains each of `arg_lists` in turn, all in one torchrun launch of `nproc` workers
-    (tests/many_runs.py), which start and import torch once for them all. Raises UserError with the
-    output if a run failed."""
+def train_together(arg_lists, nproc, script="many_runs.py", timeout=900):
+    """Trains each of `arg_lists` in turn, all in one torchrun launch of `nproc` workers running
+    tests/{script} (many_runs.py, or a script that takes its JSON list of runs as many_runs.py does),
+    which start and import torch once for them all. Returns the launch's stdout; raises UserError
+    with the output if a run failed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as listed:
         json.dump(arg_lists, listed)
         listed.flush()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / "tests" / "many_runs.py"), listed.name]
+               str(ROOT / "tests" / script), listed.name]
         code, stdout, stderr = runs.stream(cmd, lambda line, from_stdout: None, timeout,
                                            dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
     if code != 0:
         raise runs.UserError(f"{' '.join(cmd)} failed ({code}):\n{stdout}\n{stderr}")
+    return stdout
 
 
 def compare_together(calls):

@@ -6,7 +6,8 @@ Overflow steps (instrument's, or a run's "overflow_steps" for the script) make t
 gradients overflow: just before unscale_, element 0 of the first parameter's gradient becomes inf
 where this rank holds it. That is every rank in ddp, whose gradients are all-reduced, and rank 0 in
 zero2 and fsdp, whose slice or rows hold it: an overflow in one rank's part of the model, which
-every rank must agree to skip. Every world size and mode thus overflows in the same element of the same steps.
+every rank must agree to skip. Every world size and mode thus overflows in the same element of the
+same steps.
 The records, per update: the loss scale after update() and whether the update moved the first
 parameter. The script's argument is a JSON file of a list of runs, each {"args": train_gpt2.py's
 arguments, "overflow_steps": [...], "out": the folder of its rank{RANK}.json}, trained in turn

@@ -12,16 +12,13 @@ float16's runs overflow in steps 2 to 5, in one rank's part of the gradient (tes
 import contextlib
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fp16_probe
-from conftest import EQUIV, ROOT, hellaswag_args, one_torch_thread
+from conftest import EQUIV, hellaswag_args, one_torch_thread, train_together
 from gpt2_ddp import checkpoints, precision, runs
 from gpt2_ddp.configurator import UserError
 from scripts.check_equivalence import max_diff
@@ -58,21 +55,15 @@ def in_process(args, out, overflow_steps=()):
     return result(out, console.getvalue(), [records])
 
 
-def under_torchrun(runs):
-    """Trains each of `runs`, (args, out, overflow_steps), into its out at world size 2, all in one
+def under_torchrun(probed):
+    """Trains each of `probed`, (args, out, overflow_steps), into its out at world size 2, all in one
     launch of torchrun with tests/fp16_probe.py the workers' script; returns result() of each."""
-    listed = runs[0][1].parent / "probed_runs.json"
-    listed.write_text(json.dumps([{"args": [*args, f"--out_dir={out}"], "out": str(out),
-                                   "overflow_steps": list(overflow_steps)}
-                                  for args, out, overflow_steps in runs]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(ROOT / "tests" / "fp16_probe.py"), str(listed)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    consoles = dict(part.split("\n", 1) for part in proc.stdout.split(fp16_probe.MARK)[1:])
+    stdout = train_together([{"args": [*args, f"--out_dir={out}"], "out": str(out),
+                              "overflow_steps": list(overflow_steps)} for args, out, overflow_steps in probed],
+                            2, script="fp16_probe.py")
+    consoles = dict(part.split("\n", 1) for part in stdout.split(fp16_probe.MARK)[1:])
     return [result(out, consoles[str(out)], [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
-            for _, out, _ in runs]
+            for _, out, _ in probed]
 
 
 def result(out, console, ranks):

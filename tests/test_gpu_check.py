@@ -32,7 +32,7 @@ def test_the_tiny_run_goes_through_every_part_and_writes_the_report(tmp_path):
     for name in PARTS:
         assert f"| {name} | passed |" in text and f"\n## {name}: passed\n" in text
     assert "1 passed" in text  # the tests' summary
-    assert "\neager " in text and "\nddp " in text and "\nfloat16 " in text  # the tables' rows
+    assert "\neager " in text and "\nddp " in text and "\nfloat32 " in text  # the tables' rows
     assert "| cpu, 1 thread, 8 new tokens |" in text
     assert "prepare_data.py" in (report / "compile.log").read_text()
 

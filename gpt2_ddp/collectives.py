@@ -44,7 +44,7 @@ def all_reduce_max(values, device):
 def torchrun_env():
     """(launched, rank, local_rank, world_size) from torchrun's variables; without RANK, rank 0 of
     1. Raises UserError, in one line, for a value that is not a whole number, RANK or LOCAL_RANK not
-    below WORLD_SIZE, or RANK set without MASTER_ADDR and MASTER_PORT."""
+    below WORLD_SIZE, WORLD_SIZE above 1 without RANK, or RANK set without MASTER_ADDR and MASTER_PORT."""
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     for name, default in defaults.items():
         if not os.environ.get(name, default).isdecimal():
@@ -55,6 +55,9 @@ def torchrun_env():
         raise UserError(f"RANK={rank} and LOCAL_RANK={local_rank} must be below WORLD_SIZE={world_size} "
                         f"(ranks count from 0); launch with torchrun --nproc_per_node=N, which sets them")
     launched = "RANK" in os.environ
+    if not launched and world_size != 1:
+        raise UserError(f"WORLD_SIZE={world_size} is set but RANK not: launch with torchrun, which sets "
+                        f"both, or unset WORLD_SIZE to run one process")
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if launched and not os.environ.get(name)]
     if missing:
         raise UserError(f"RANK is set but {' and '.join(missing)} not: launch with torchrun "

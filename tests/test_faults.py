@@ -363,15 +363,20 @@ def test_bad_data_is_named_with_the_fix(tmp_path):
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
     ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 and LOCAL_RANK=0 must be below WORLD_SIZE=1"),
     ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK is set but MASTER_ADDR and MASTER_PORT not"),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "RANK is set but MASTER_ADDR and MASTER_PORT not"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK not: launch with torchrun"),
 ])
 def test_a_launch_mistake_is_one_line(env, message, monkeypatch):
+    """torchrun's variables set by hand wrongly are refused in one line before any work; RANK marks a
+    launched run at any WORLD_SIZE (torchrun --nproc_per_node=1 sets RANK=0, WORLD_SIZE=1)."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     import train_gpt2
-    with pytest.raises(UserError, match=re.escape(message)):
+    with pytest.raises(UserError, match=re.escape(message)) as refused:
         train_gpt2.main([*TINY, "--device=cpu"])
+    assert "\n" not in str(refused.value)
 
 
 def test_an_error_that_other_ranks_alone_find_is_raised_on_rank_0_too(monkeypatch):
@@ -591,9 +596,13 @@ def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(g
     """A user's ckpt_best.pt (a good checkpoint, of step 2), a ckpt_abc.pt, a notes.tmp and a
     directory with a checkpoint's name sit beside the run's checkpoints: the run resumes from its
     own newest, prunes only its own (and a killed save's temp file), and leaves the others as they
-    were. Steps past the zero padding sort by number."""
+    were. Steps past the zero padding sort by number. Good checkpoints named with other digits than
+    path_of's 7 (ckpt_12.pt, ckpt_00000001.pt) are the user's too: neither resumed from nor pruned."""
     out, before = copy_run(good_run, tmp_path)
     (out / "ckpt_best.pt").write_bytes(before["ckpt_0000002.pt"])
+    # were they the run's, the first would be its newest and the second pruned as its oldest
+    (out / "ckpt_12.pt").write_bytes(before["ckpt_0000002.pt"])
+    (out / "ckpt_00000001.pt").write_bytes(before["ckpt_0000002.pt"])
     (out / "ckpt_abc.pt").write_bytes(b"notes")
     (out / "ckpt_0000009.pt").mkdir()
     (out / "notes.tmp").write_text("mine")  # a temp name, but not one of a killed save's
@@ -603,8 +612,10 @@ def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(g
     assert f"resumed from {out}/ckpt_0000004.pt at step 4" in proc.stdout
     assert (out / "notes.tmp").read_text() == "mine" and not (out / "ckpt_0000003.pt.tmp").exists()
     assert sorted(p.name for p in out.glob("ckpt_*")) == [
-        "ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000009.pt", "ckpt_abc.pt", "ckpt_best.pt"]
-    assert (out / "ckpt_best.pt").read_bytes() == before["ckpt_0000002.pt"]
+        "ckpt_00000001.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000009.pt", "ckpt_12.pt",
+        "ckpt_abc.pt", "ckpt_best.pt"]
+    assert all((out / name).read_bytes() == before["ckpt_0000002.pt"]
+               for name in ("ckpt_best.pt", "ckpt_12.pt", "ckpt_00000001.pt"))
     assert (out / "ckpt_abc.pt").read_bytes() == b"notes" and (out / "ckpt_0000009.pt").is_dir()
     many = tmp_path / "many"
     many.mkdir()
@@ -626,6 +637,18 @@ def test_a_resume_names_the_schedule_it_changes_and_a_warmup_past_max_steps_is_w
             f"the lr of step 5 is {after:.4e}, not {before:.4e}\n") in proc.stdout
     assert "warning: warmup_steps=8 is not below max_steps=8, so the lr never decays" in proc.stdout
     assert [s["lr"] for s in read_log(out)[0]][4] == pytest.approx(after)
+
+
+def test_a_step_saved_before_its_evaluation_is_evaluated_by_the_resumed_run_and_only_then(good_run, tmp_path):
+    """A checkpoint whose step's evaluation did not run (evaluated=False, as a stop during it saves)
+    has it run first by the resumed run, so the log holds that step's val loss; one whose evaluation
+    ran (evaluated=True) is not evaluated twice."""
+    for evaluated, val_steps in ((False, [4, 5]), (True, [5])):
+        out, _ = copy_run(good_run, tmp_path / str(evaluated))
+        rewrite_checkpoint(out / "ckpt_0000004.pt", lambda state: state.update(evaluated=evaluated))
+        run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=5",
+                      "--eval_interval=4"])
+        assert [e["step"] for e in read_log(out)[1]] == val_steps, evaluated
 
 
 def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):

@@ -548,6 +548,22 @@ def test_empty_input_is_an_error(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_a_failed_run_keeps_an_empty_output_dir_it_did_not_make(tmp_path):
+    """Guards that a failed run removes only an output dir it made: an empty --output_dir that
+    existed before stays, whether the run fails before writing (a row without text) or while
+    writing its shards (empty input), and one the run made is removed."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"body": "b"}\n')
+    for path in ("bad.jsonl", "empty.txt"):
+        mine, made = tmp_path / f"mine_{path}", tmp_path / f"made_{path}"
+        mine.mkdir()
+        for out in (mine, made):
+            with pytest.raises(UserError):
+                run("--input", tmp_path / path, "--output_dir", out, "--workers", 1)
+        assert mine.is_dir() and not any(mine.iterdir())  # the user's dir, kept as it was
+        assert not made.exists()
+
+
 def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "b.jsonl").write_text('{"text": "b"}\n')

@@ -211,6 +211,17 @@ def test_batch_size_that_does_not_divide_fails_before_training(tiny_data, tmp_pa
     assert "Traceback" not in proc.stderr
 
 
+def test_a_total_batch_size_that_divides_over_one_rank_but_not_two_is_refused():
+    """grad_accum_steps divides total_batch_size by micro_batch_size * seq_len * world_size: 3
+    micro-batches a step are 3 micro-steps on one rank, and refused in one line at world size 2."""
+    config = load_config([*TINY, "--total_batch_size=96"])  # TINY's micro-batch: 2 x 16 tokens
+    assert train_gpt2.grad_accum_steps(config, 1) == 3
+    with pytest.raises(UserError) as refused:
+        train_gpt2.grad_accum_steps(config, 2)
+    assert str(refused.value) == ("total_batch_size=96 is not divisible by micro_batch_size * seq_len * "
+                                  "world_size = 2*16*2 = 64; change total_batch_size or micro_batch_size")
+
+
 # --- model --------------------------------------------------------------------------------------
 
 def test_gpt2_124m_names_shapes_and_size_are_transformers_gpt2s():
@@ -593,15 +604,30 @@ def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys)
     assert "| mfu: " not in out
 
 
+def test_token_ids_checked_by_two_ranks_are_each_shards_largest(ddp_runs):
+    """At world size 2 each shard is read by one rank, the other contributing -1, and the maxima are
+    all-reduced: out_dir's token_ids.json holds each shard's largest token id, as at world size 1."""
+    import json
+
+    from gpt2_ddp.shards import read_tokens
+    tmp_path, _ = ddp_runs
+    largest = {str(p.resolve()): int(read_tokens(p).max()) for p in (tmp_path / "data").glob("*.bin")}
+    for run in ("one", "two"):
+        kept = json.loads((tmp_path / run / "token_ids.json").read_text())
+        assert {path: entry["max_token_id"] for path, entry in kept.items()} == largest, run
+
+
 def test_ddp_bucket_options_train_the_same_model(ddp_runs):
     tmp_path, _ = ddp_runs
     np.testing.assert_allclose([s["loss"] for s in read_log(tmp_path / "view")[0]],
                                [s["loss"] for s in read_log(tmp_path / "default")[0]], rtol=1e-6)
 
 
-def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch):
-    """As torchrun's rank 0 of 2 on the CPU: refused before the process group is joined."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch, world_size):
+    """As torchrun's rank 0 of 2 on the CPU: refused before the process group is joined. Of 1 too:
+    torchrun --nproc_per_node=1 sets RANK, so the run is launched and joins a group of one."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="grad_compression=bf16 needs NCCL"):

@@ -128,7 +128,8 @@ def test_a_temperature_not_finite_and_positive_is_refused(trained, temperature, 
 
 def test_a_training_sample_hands_the_model_back_in_training_mode():
     """training_sample() draws in eval mode (no dropout) and leaves every module in training mode, so
-    the steps after a sample keep their dropout."""
+    the steps after a sample keep their dropout; its seed, not a fresh generator's default, picks the
+    draw."""
     from gpt2_ddp.sampling import training_sample
     torch.manual_seed(0)
     model = GPT(train_gpt2.load_config([*TINY, "--dropout=0.5"])).train()
@@ -136,6 +137,7 @@ def test_a_training_sample_hands_the_model_back_in_training_mode():
     text = training_sample(model, *args)
     assert isinstance(text, str) and all(m.training for m in model.modules())
     assert training_sample(model.eval(), *args) == text  # the draw of the model without dropout
+    assert training_sample(model, [1, 2], 16, 1, *args[3:]) != text  # the seed picks the draw
 
 
 def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):

@@ -99,14 +99,14 @@ def test_sharded_modes_in_the_default_mode_agree_with_ddp_to_rounding(sharding_r
 def test_sharded_checkpoints_resume_bitwise_on_any_world_size(mode, sharded_runs, equiv_data_dir,
                                                               tmp_path):
     """The world size 2 run above, as if it had died after its checkpoint of step 30, resumed at
-    world size 4 (fsdp) or 1 (zero2: one process, its group of one): bitwise the same run. Every
-    mode saves whole tensors in torch.optim's format, so ddp resumes either, bitwise."""
+    world size 4 (fsdp) or 2 (zero2), where each rank's slices are copies of the loaded weights:
+    bitwise the same run. Every mode saves whole tensors in torch.optim's format, so ddp resumes
+    either in one process, bitwise."""
     runs, _, out_dir = sharded_runs[mode]
     full = out_dir / "world_size_2"
     ckpt = f"ckpt_{RESUME_STEP:07d}.pt"
     assert torch.load(full / ckpt, weights_only=True)["config"]["sharding"] == mode
-    resumes = [(1, mode), (2, "ddp")] if mode == "zero2" else [(4, mode), (1, "ddp")]
-    for world_size, resume_mode in resumes:
+    for world_size, resume_mode in [(4 if mode == "fsdp" else 2, mode), (1, "ddp")]:
         out = tmp_path / f"resumed_{world_size}_{resume_mode}"
         out.mkdir()
         shutil.copy(full / ckpt, out)

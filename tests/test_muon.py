@@ -112,7 +112,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 def test_owners_split_the_newton_schulz_work_evenly():
     """GPT-2 124M's matrices (c_attn's as one, with q, k and v in it) over 8 ranks: each matrix, and
     nothing else, on one rank, the largest rank's share of Newton-Schulz's work within 10% of the
-    mean."""
+    mean; a set that only the costliest-first order splits evenly."""
     config = load_config(["--optimizer=muon"])
     model = meta_model(config)
     muon = model.configure_optimizers(config, "meta").optimizers[1]
@@ -124,6 +124,11 @@ def test_owners_split_the_newton_schulz_work_evenly():
     matrices = [m.weight for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(map(id, muon.owner)) == sorted(map(id, matrices))
     assert max(load) < 1.1 * sum(load) / 8
+    # the costliest first: works of 2, 3, 4 and 3 split 6 and 6; the cheapest first splits 5 and 7
+    matrices = [torch.nn.Parameter(torch.zeros(rows, 1)) for rows in (2, 3, 4, 3)]
+    muon = Muon(matrices, lr=0.02)
+    muon.choose_owners(2)
+    assert sorted(sum(p.numel() for p in matrices if muon.owner[p] == rank) for rank in (0, 1)) == [6, 6]
 
 
 @pytest.fixture(scope="module")

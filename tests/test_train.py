@@ -499,14 +499,14 @@ def test_missing_shards_name_the_command_that_makes_them(tmp_path):
 def ddp_runs(tmp_path_factory):
     """The runs of the DDP tests below, in out/{one,two,default,view}, the world size 2 ones in one
     launch; returns (out, the console of `one`). one and two: TINY without biases for 6 steps at
-    world sizes 1 and 2; default and view: 4 steps at world size 2, with DDP's default buckets and
-    with gradients as views of 1 MB buckets."""
+    world sizes 1 and 2; default and view: 4 steps at world size 2, with DDP's default buckets (and a
+    made-up peak, for MFU) and with gradients as views of 1 MB buckets."""
     out = tmp_path_factory.mktemp("ddp_runs")
     make_shards(out / "data")
     common = [*TINY, f"--data_dir={out / 'data'}", "--total_batch_size=128", "--bias=false"]
     console = run_training([*common, "--max_steps=6", f"--out_dir={out}/one"]).stdout
     train_together([[*common, "--max_steps=6", f"--out_dir={out}/two"],
-                    [*common, "--max_steps=4", f"--out_dir={out}/default"],
+                    [*common, "--max_steps=4", f"--out_dir={out}/default", "--peak_flops=1e9"],
                     [*common, "--max_steps=4", f"--out_dir={out}/view", "--gradient_as_bucket_view=true",
                      "--bucket_cap_mb=1"]], 2)
     return out, console
@@ -621,6 +621,17 @@ def test_ddp_bucket_options_train_the_same_model(ddp_runs):
     tmp_path, _ = ddp_runs
     np.testing.assert_allclose([s["loss"] for s in read_log(tmp_path / "view")[0]],
                                [s["loss"] for s in read_log(tmp_path / "default")[0]], rtol=1e-6)
+
+
+def test_mfu_at_world_size_2_is_each_gpus_share_of_the_peak(ddp_runs):
+    """MFU divides a step's FLOPs over every rank's peak: 2 ranks doing one step's work in dt each
+    use half of what one rank would."""
+    steps = read_log(ddp_runs[0] / "default")[0]
+    with torch.device("meta"):
+        flops_per_step = GPT(load_config([*TINY, "--bias=false"])).flops_per_token(16) * 128
+    assert len(steps) == 4
+    for s in steps:
+        assert s["mfu"] == pytest.approx(flops_per_step / (s["dt_ms"] / 1000) / (1e9 * 2), rel=1e-9)
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, record_host_reads, recording, run_training, write_hellaswag
+from conftest import ROOT, TINY, record_host_reads, recording, run_training, train_here, write_hellaswag
 from gpt2_ddp import runs
 from gpt2_ddp.metrics import Waiting
 from train_gpt2 import GPT, UserError, load_config
@@ -77,12 +77,6 @@ def assert_tensorboard_shows(log_dir, records):
             events, [(r["step"], np.float32(r[tag])) for r in records if tag in r], err_msg=tag)
 
 
-def train_in_process(args):
-    """train_gpt2.main(args) in this process (no interpreter and torch to start: the fake wandb
-    module is seen, too). Raises UserError as it does."""
-    assert train_gpt2.main(args) == 0
-
-
 def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path, tiny_data,
                                                                         monkeypatch, one_thread):
     """A run to step 6 with both sinks (wandb: the stand-in), its last checkpoint removed as if it
@@ -99,10 +93,10 @@ def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path
               "--checkpoint_interval=4", "--hellaswag_interval=4",
               f"--hellaswag_path={tiny_data / 'hellaswag.jsonl'}", f"--peak_flops={peak}",
               "--tensorboard=true", "--wandb_log=true"]
-    train_in_process([*common, "--max_steps=6"])
+    train_here([*common, "--max_steps=6"])
     first = runs.read_log(out)
     max(out.glob("ckpt_*.pt")).unlink()
-    train_in_process([*common, "--max_steps=8"])
+    train_here([*common, "--max_steps=8"])
     final = runs.read_log(out)
 
     inits = [i for i, call in enumerate(calls) if call[0] == "init"]
@@ -144,9 +138,9 @@ def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, m
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     with pytest.raises(UserError, match="the run diverged"):
-        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
-                          "--total_batch_size=64", "--max_steps=20", "--max_lr=1e30",
-                          "--tensorboard=true", "--wandb_log=true"])
+        train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                    "--total_batch_size=64", "--max_steps=20", "--max_lr=1e30",
+                    "--tensorboard=true", "--wandb_log=true"])
     gc.collect()  # the traceback's frames hold the Metrics in reference cycles
     records = runs.read_log(tmp_path)
     assert any(r.get("skipped") for r in records)
@@ -187,8 +181,8 @@ def test_a_missing_package_is_one_line_before_the_first_step(tmp_path, tiny_data
                                                              key, module, message):
     monkeypatch.setitem(sys.modules, module, None)  # its import raises ImportError
     with pytest.raises(UserError, match=f"^{message}$"):
-        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
-                          "--total_batch_size=64", "--max_steps=2", f"--{key}=true"])
+        train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                    "--total_batch_size=64", "--max_steps=2", f"--{key}=true"])
     assert (tmp_path / "log.jsonl").read_text() == ""  # no step, no eval
 
 
@@ -199,8 +193,8 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
     with pytest.raises(UserError, match="^wandb.init failed: No API key configured. Use `wandb "
                                         "login` to log in.; set WANDB_MODE=offline to log "
                                         "without a wandb server"):
-        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
-                          "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
+        train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                    "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
     assert not (tmp_path / "wandb_run_id").exists()
 
 
@@ -211,8 +205,8 @@ def test_a_wandb_run_id_file_that_no_run_wrote_is_one_line(tmp_path, tiny_data, 
     path.mkdir() if what == "directory" else path.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(UserError, match=f"^{path} is not the wandb run id a run writes there: move "
                                         f"it away, and this run logs to a new wandb run$"):
-        train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
-                          "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
+        train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
+                    "--total_batch_size=64", "--max_steps=2", "--wandb_log=true"])
 
 
 def test_a_loss_spike_is_one_line_with_its_step_and_a_muon_run_logs_both_lrs(capsys):
@@ -302,7 +296,7 @@ def test_the_first_step_after_a_resume_logs_the_optimizer_state_bytes():
 
 
 def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_path, tiny_data, monkeypatch,
-                                                                           one_thread, capsys):
+                                                                           one_thread):
     """A fork (a z-loss added to GPT's loss) puts its value in `extra_metrics` from its forward,
     touching nothing else: each step's `z_loss` is the mean over its 2 micro-batches (==), in
     log.jsonl, on the console line, in TensorBoard and in what wandb gets, and the step still reads
@@ -329,14 +323,14 @@ def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_p
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     out = tmp_path / "out"
-    train_in_process([*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--total_batch_size=64",
-                      "--max_steps=2", "--tensorboard=true", "--wandb_log=true"])
+    console = train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--total_batch_size=64",
+                          "--max_steps=2", "--tensorboard=true", "--wandb_log=true"])
     assert [s.split("log")[0].split() for s in " ".join(events).split("begin")[1:]] == [["read"]] * 2
     records = runs.read_log(out)
     steps = [r for r in records if "loss" in r]
     assert [r["z_loss"] for r in steps] == [((drawn[i] + drawn[i + 1]) / 2).item() for i in (0, 2)]
     assert len(drawn) == 4
-    lines = [line for line in capsys.readouterr().out.splitlines() if "/2 |" in line]
+    lines = [line for line in console.splitlines() if "/2 |" in line]
     assert [f"| norm: {r['grad_norm']:.4f} | z_loss: {r['z_loss']:.4g} | dt: " in line
             for r, line in zip(steps, lines)] == [True, True]
     assert [call[1] for call in calls if call[0] == "log"] == records

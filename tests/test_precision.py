@@ -206,6 +206,9 @@ def test_auto_picks_bfloat16_from_compute_capability_8_and_float16_before(monkey
         with pytest.raises(UserError, match=f"^--dtype=bfloat16: {name} .* has no bfloat16 tensor "
                                             f"cores .*; pass --dtype=float16"):
             precision.resolve(load_config(["--dtype=bfloat16"]), torch.device("cuda"))
+    else:  # the major version decides: 8.0's minor of 0 is no reason to refuse
+        config, line = precision.resolve(load_config(["--dtype=bfloat16"]), torch.device("cuda"))
+        assert config.dtype == "bfloat16" and line == "dtype bfloat16: set by dtype=bfloat16"
 
 
 def test_auto_runs_float32_on_the_cpu_and_a_set_dtype_says_so():

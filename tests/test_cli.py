@@ -163,6 +163,32 @@ def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, 
     assert (tmp_path / "world_size_1" / "log.jsonl").exists()
 
 
+def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tmp_path, monkeypatch):
+    """With --python, a gradient norm that differs by more than --tolerance (relative) exits 1
+    though every loss is equal; within the tolerance it exits 0. The runs are made-up results."""
+    from scripts import check_equivalence
+    grad_norms = {sys.executable: [1.0, 2.0], "other": [1.0, 2.0 * (1 + 1e-3)]}
+
+    def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
+        return {n: {"loss": [6.0, 5.0], "grad_norm": grad_norms[python], "val_loss": [5.5],
+                    "model": {"w": torch.zeros(2)}} for n in world_sizes}
+
+    monkeypatch.setattr(check_equivalence, "compare", compare)
+    monkeypatch.setattr(check_equivalence, "torch_version", lambda python: "0.0")
+    argv = ["--world_sizes", "1", "--python", "other", f"--out_dir={tmp_path}"]
+    assert check_equivalence.main([*argv, "--tolerance=1e-4"]) == 1
+    assert check_equivalence.main([*argv, "--tolerance=1e-2"]) == 0
+
+
+def test_world_size_1_runs_as_plain_python_and_more_under_torchrun():
+    """runs.command: one process is `python train_gpt2.py`, two or torchrun=True go under torchrun."""
+    script = str(ROOT / "train_gpt2.py")
+    assert runs.command(["--max_steps=1"], 1) == [sys.executable, script, "--max_steps=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert runs.command(["--max_steps=1"], 2) == [*torchrun, "--nproc_per_node=2", script, "--max_steps=1"]
+    assert runs.command([], 1, torchrun=True) == [*torchrun, "--nproc_per_node=1", script]
+
+
 def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsys):
     fake_python = tmp_path / "python"  # runs.train calls it with train_gpt2.py's path
     fake_python.write_text('#!/bin/sh\necho "step     0 | loss 6.2"\necho warning >&2\nexec sleep 60\n')

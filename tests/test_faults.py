@@ -961,3 +961,18 @@ def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=rf"{tmp_path}/gone .*; to resume from {tmp_path}/runs/x, which "
                                         rf"holds the weights, pass --init_from={tmp_path}/runs/x for the shape$"):
         init_from(config, weights=False)
+
+
+def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_released(tmp_path):
+    """checkpoints.lock takes an exclusive lock: a second one on the same out_dir, even from this
+    process (flock locks belong to each open file), is refused in one line naming the holder, and
+    taken once the first is released."""
+    import socket
+    out = tmp_path / "out"
+    first = checkpoints.lock(out)
+    with pytest.raises(UserError, match="^" + re.escape(
+            f"out_dir {out} is in use by another run (pid {os.getpid()} on {socket.gethostname()}); "
+            f"wait for it to end, or pass another --out_dir") + "$"):
+        checkpoints.lock(out)
+    first.close()
+    checkpoints.lock(out).close()

@@ -133,10 +133,12 @@ def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, m
                                                           one_thread):
     """A run that diverges (3 non-finite steps in a row at max_lr 1e30) ends in a UserError: once
     the traceback that holds its Metrics is freed, TensorBoard shows every record of log.jsonl
-    and the wandb run is finished as failed."""
+    and the wandb run is finished as failed. Its out_dir holds an old wandb_run_id but no
+    checkpoint: a run from step 0 starts a new wandb run, and its id replaces the old one."""
     pytest.importorskip("tensorboard")
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    (tmp_path / "wandb_run_id").write_text("old-run")
     with pytest.raises(UserError, match="the run diverged"):
         train_here([*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}",
                     "--total_batch_size=64", "--max_steps=20", "--max_lr=1e30",
@@ -145,6 +147,8 @@ def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, m
     records = runs.read_log(tmp_path)
     assert any(r.get("skipped") for r in records)
     assert calls[-1] == ("finish", 1)
+    assert calls[0][0] == "init" and calls[0][1]["id"] is None
+    assert (tmp_path / "wandb_run_id").read_text() == "run1"  # the id the stand-in's init made
     logged = [call[1] for call in calls if call[0] == "log"]
     assert json.dumps(logged) == json.dumps(records)  # NaN losses: as text, NaN equals NaN
     assert_tensorboard_shows(tmp_path / "tensorboard", records)

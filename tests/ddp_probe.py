@@ -4,13 +4,16 @@ that the tests read afterwards.
 PROBE_OUT=DIR (required) receives, per rank, a JSON file with:
   events: in order, "allreduce <bucket index>" for each bucket a DDP comm hook all-reduces and
           "step" for each optimizer step, so a test can count all-reduces per optimizer step;
-  micro_losses: the loss of each training micro-batch this rank ran, in order.
+  micro_losses: the loss of each training micro-batch this rank ran, in order;
+  stopped: for each DDP the run built, whether StopSignals.check raised Stopped on this rank when the
+           last rank alone held a stop signal (checked as DDP is built, on every rank at once).
 PROBE_LATE_TOGGLE=1 sets DDP's require_backward_grad_sync only after the next forward, the bug
 of build-nanogpt #30, so a test can show that the equivalence check catches it.
 """
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,8 +23,21 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import train_gpt2
+from gpt2_ddp.collectives import StopSignals, Stopped
 
-events, micro_losses = [], []
+events, micro_losses, stopped = [], [], []
+
+
+def stop_reaches_this_rank():
+    """Whether StopSignals.check raises Stopped here when the last rank alone holds a signal. A collective."""
+    signals = StopSignals(torch.device("cpu"))
+    if dist.get_rank() == dist.get_world_size() - 1:
+        signals.append(signal.SIGTERM)
+    try:
+        signals.check()
+    except Stopped:
+        return True
+    return False
 
 
 def counting_allreduce_hook(state, bucket):
@@ -34,6 +50,7 @@ class ProbedDDP(DistributedDataParallel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_comm_hook(None, counting_allreduce_hook)
+        stopped.append(stop_reaches_this_rank())
         self.late_toggle = os.environ.get("PROBE_LATE_TOGGLE") == "1"
         self.pending_sync = None
 
@@ -76,4 +93,4 @@ try:
     train_gpt2.main(sys.argv[1:])
 finally:
     out = Path(os.environ["PROBE_OUT"]) / f"rank{os.environ.get('RANK', '0')}.json"
-    out.write_text(json.dumps({"events": events, "micro_losses": micro_losses}))
+    out.write_text(json.dumps({"events": events, "micro_losses": micro_losses, "stopped": stopped}))

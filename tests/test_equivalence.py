@@ -83,7 +83,10 @@ def probe(args, nproc, out, late_toggle=False):
 
 
 def test_gradients_are_all_reduced_once_per_step_and_the_logged_loss_is_the_mean(equiv_data_dir, tmp_path):
+    """DDP all-reduces each bucket once per step, on its last micro-step; the logged loss is the mean
+    over both ranks' micro-batches; and a stop signal that reached one rank alone stops both."""
     ranks, steps = probe([*PROBE, f"--data_dir={equiv_data_dir}"], 2, tmp_path)
+    assert [rank["stopped"] for rank in ranks] == [[True], [True]]
     grad_accum_steps = 4
     for rank in ranks:
         per_step, current = [], []

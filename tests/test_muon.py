@@ -5,6 +5,7 @@ at another world size and mode, and a checkpoint of the other optimizer refused 
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,14 +132,25 @@ def test_owners_split_the_newton_schulz_work_evenly():
     assert sorted(sum(p.numel() for p in matrices if muon.owner[p] == rank) for rank in (0, 1)) == [6, 6]
 
 
+# n_embd 34: c_attn's 102 rows and c_proj's 34 do not divide over 4 ranks, so fsdp's shards are uneven
+UNEVEN = [*MUON, "--sharding=fsdp", "--n_embd=34", "--max_steps=2", "--eval_interval=0"]
+
+
 @pytest.fixture(scope="module")
-def muon_runs(equiv_data_dir, tmp_path_factory):
+def muon_and_uneven_runs(equiv_data_dir, tmp_path_factory):
+    """(muon_runs, compare's runs of UNEVEN at world sizes 1 and 4), in the same launches."""
+    out = tmp_path_factory.mktemp("muon")
+    *results, uneven = compare_together(
+        [([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode], out / mode)
+         for mode in WORLD_SIZES] + [([*UNEVEN, f"--data_dir={equiv_data_dir}"], [1, 4], out / "uneven")])
+    return {mode: (result, out / mode) for mode, result in zip(WORLD_SIZES, results)}, uneven
+
+
+@pytest.fixture(scope="module")
+def muon_runs(muon_and_uneven_runs):
     """The MUON config in ddp at world sizes 1, 2 and 4, in zero2 and fsdp at 2 and 4 (one rank
     owns every matrix there, as in ddp at 1), and the folder of each mode's runs."""
-    out = tmp_path_factory.mktemp("muon")
-    results = compare_together([([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode],
-                                 out / mode) for mode in WORLD_SIZES])
-    return {mode: (result, out / mode) for mode, result in zip(WORLD_SIZES, results)}
+    return muon_and_uneven_runs[0]
 
 
 WORLD_SIZES = {"ddp": [1, 2, 4], "zero2": [2, 4], "fsdp": [2, 4]}
@@ -156,6 +168,17 @@ def test_muon_trains_bitwise_the_same_model_at_every_world_size_and_mode(muon_ru
                for mode, folder in first.items()}
     for mode in ("zero2", "fsdp"):
         assert all(torch.equal(weights[mode][k], weights["ddp"][k]) for k in weights["ddp"]), mode
+
+
+def test_muon_in_fsdp_with_rows_that_do_not_divide_over_the_ranks(muon_and_uneven_runs):
+    """fsdp's last shard of a matrix whose rows do not divide over the ranks is shorter: Muon gathers
+    and scatters each matrix's padded pieces whole, and trains the model of one process."""
+    runs = muon_and_uneven_runs[1]
+    assert len(runs[4]["loss"]) == 2
+    # uneven fsdp shards are not bitwise the one-process run (their weights differ in the last bits), so
+    # this checks the pieces' sizes to a tolerance
+    np.testing.assert_allclose(runs[4]["loss"], runs[1]["loss"], rtol=1e-6)
+    assert runs[4]["max_param_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("mode, world_size, resume_mode, resume_world_size",

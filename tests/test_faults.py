@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -967,7 +968,6 @@ def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_release
     """checkpoints.lock takes an exclusive lock: a second one on the same out_dir, even from this
     process (flock locks belong to each open file), is refused in one line naming the holder, and
     taken once the first is released."""
-    import socket
     out = tmp_path / "out"
     first = checkpoints.lock(out)
     with pytest.raises(UserError, match="^" + re.escape(

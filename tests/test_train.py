@@ -1,6 +1,7 @@
 """Config parsing, the model's shape and names, the loader, and DDP against one process."""
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_train
 from gpt2_ddp import metrics
 from gpt2_ddp.device import TORCH_FLOOR
 from gpt2_ddp.gpt2_weights import CONV1D
-from gpt2_ddp.shards import split_paths, write_shard
+from gpt2_ddp.shards import read_tokens, split_paths, write_shard
 from train_gpt2 import GPT, Config, DataLoader, UserError, load_config
 import train_gpt2
 
@@ -112,8 +113,6 @@ def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
     """prepare_data's manifest is trusted where a shard's name, size and mtime match it; other
     shards are read once, and the result is kept in out_dir keyed by size and mtime: a shard
     rewritten in place (same size and mtime) is not read again, one with a new mtime is."""
-    import json
-
     from gpt2_ddp import shards
     data = tmp_path / "data"
     make_shards(data)
@@ -607,9 +606,6 @@ def test_no_mfu_is_logged_where_the_peak_is_unknown(tiny_data, tmp_path, capsys)
 def test_token_ids_checked_by_two_ranks_are_each_shards_largest(ddp_runs):
     """At world size 2 each shard is read by one rank, the other contributing -1, and the maxima are
     all-reduced: out_dir's token_ids.json holds each shard's largest token id, as at world size 1."""
-    import json
-
-    from gpt2_ddp.shards import read_tokens
     tmp_path, _ = ddp_runs
     largest = {str(p.resolve()): int(read_tokens(p).max()) for p in (tmp_path / "data").glob("*.bin")}
     for run in ("one", "two"):

@@ -165,19 +165,22 @@ def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, 
 
 def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tmp_path, monkeypatch):
     """With --python, a gradient norm that differs by more than --tolerance (relative) exits 1
-    though every loss is equal; within the tolerance it exits 0. The runs are made-up results."""
+    though every loss is equal, also where only the first of two world sizes differs; within the
+    tolerance it exits 0. The runs are made-up results."""
     from scripts import check_equivalence
     grad_norms = {sys.executable: [1.0, 2.0], "other": [1.0, 2.0 * (1 + 1e-3)]}
 
     def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
-        return {n: {"loss": [6.0, 5.0], "grad_norm": grad_norms[python], "val_loss": [5.5],
-                    "model": {"w": torch.zeros(2)}} for n in world_sizes}
+        return {n: {"step": [1, 2], "loss": [6.0, 5.0], "val_loss": [5.5], "hellaswag": [],
+                    "grad_norm": grad_norms[python if n == 1 else sys.executable],  # world size 1's alone
+                    "model": {"w": torch.zeros(2)}, "max_param_diff": 0.0} for n in world_sizes}
 
     monkeypatch.setattr(check_equivalence, "compare", compare)
     monkeypatch.setattr(check_equivalence, "torch_version", lambda python: "0.0")
     argv = ["--world_sizes", "1", "--python", "other", f"--out_dir={tmp_path}"]
     assert check_equivalence.main([*argv, "--tolerance=1e-4"]) == 1
     assert check_equivalence.main([*argv, "--tolerance=1e-2"]) == 0
+    assert check_equivalence.main(["--world_sizes", "1", "2", *argv[2:], "--tolerance=1e-4"]) == 1
 
 
 def test_world_size_1_runs_as_plain_python_and_more_under_torchrun():

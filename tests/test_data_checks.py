@@ -15,7 +15,8 @@ import pytest
 import train_gpt2
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import check_token_ids, max_token_ids, read_tokens, split_paths, write_shard
+from gpt2_ddp.shards import (check_token_ids, document_starts, max_token_ids, read_tokens, split_paths,
+                             write_shard)
 import prepare_data
 
 
@@ -62,6 +63,15 @@ def test_a_shard_rewritten_under_an_old_or_stale_manifest_is_read_again(tmp_path
         del entry["mtime_ns"]
     (data / "tiny_manifest.json").write_text(json.dumps({"shards": entries}))
     assert refused(data, tmp_path / "old").startswith(message)
+
+
+def test_a_val_shard_with_a_token_id_beyond_vocab_size_is_refused_before_step_0(tmp_path):
+    """Evaluations read the val split too: its shards are checked with the train split's."""
+    data = tmp_path / "data"
+    make_shards(data)
+    write_shard(data / "tiny_val_000000.bin", np.full(1000, 600))
+    assert refused(data, tmp_path / "out").startswith(f"shard {data / 'tiny_val_000000.bin'} holds token "
+                                                      f"id 600, beyond vocab_size=512")
 
 
 def odd_sized(path):
@@ -206,6 +216,18 @@ def test_a_token_id_equal_to_vocab_size_is_refused(tmp_path):
     with pytest.raises(UserError, match="holds token id 600, beyond vocab_size=600"):
         check_token_ids([shard], 600, tmp_path / "a.json", 0, 1, lambda values: values)
     check_token_ids([shard], 601, tmp_path / "b.json", 0, 1, lambda values: values)
+
+
+def test_a_shard_longer_than_one_read_is_scanned_to_its_end(tmp_path):
+    """The token-id check and the document index read a shard 2**24 tokens at a time: the largest id
+    in the first read, and a document start in the second, count as in a shard read at once."""
+    tokens = np.zeros((1 << 24) + 8, dtype=np.uint16)
+    tokens[5] = 600
+    tokens[[3, (1 << 24) + 4]] = 9  # the documents' start token here
+    shard = tmp_path / "t_train.bin"
+    write_shard(shard, tokens)
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [600]
+    assert document_starts(shard, 9).tolist() == [3, (1 << 24) + 4]
 
 
 def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path):

@@ -17,7 +17,8 @@ from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
 from gpt2_ddp.tokenizer import EOT_TOKEN
 from test_faults import children, wait_for_step
-from train_gpt2 import DataLoader
+import train_gpt2
+from train_gpt2 import DataLoader, load_config
 
 T = 16
 STEPS = 16
@@ -98,6 +99,23 @@ def test_world_size_and_micro_batch_size_do_not_change_what_a_step_reads(tmp_pat
     assert (state["epoch"], state["row"]) == divmod(74, len(before.rows))
     resumed.load_state_dict({**state, "tokens": 76 * T})
     assert rows(resumed, 1) == one[76:80]
+
+
+def test_a_runs_train_order_is_drawn_from_its_seed_and_its_val_split_read_in_order(tmp_path, capsys):
+    """make_loaders as a run calls it: the train rows of --seed's order, the val split sequential,
+    and val_batches lowered, with a line, only when above what the val split holds."""
+    write_documents(tmp_path)
+    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--seed=7"]
+    config, train, val = train_gpt2.make_loaders(load_config([*args, "--val_batches=100000"]), 0, 1,
+                                                 torch.device("cpu"))
+    n = len(train.rows)
+    assert train.rows.starts(0, n).tolist() == shuffled(tmp_path, seed=7).rows.starts(0, n).tolist()
+    assert val.order == "sequential" and val.rows is None
+    assert config.val_batches == val.batches_per_epoch
+    assert "is more than the val split holds" in capsys.readouterr().out
+    fits = load_config([*args, f"--val_batches={val.batches_per_epoch}"])
+    assert train_gpt2.make_loaders(fits, 0, 1, torch.device("cpu"))[0] == fits
+    assert "is more than the val split holds" not in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -93,3 +93,9 @@ def test_a_micro_batch_draws_the_same_masks_at_any_world_size(recorded):
                 (seed_2, mask_2), (seed_1, mask_1) = split[step * 2 + micro_step], alone[step * 4 + m]
                 assert torch.equal(mask_2, mask_1), f"{where}: other masks"
                 assert seed_2 == seed_1, f"{where}: other seeds"
+
+
+def test_every_step_and_micro_batch_of_a_long_run_gets_its_own_seed():
+    """Past 10 the digits of a step and a micro-batch run together, as in (1, 11) and (11, 1)."""
+    seeds = {train_gpt2.derived_seed(1337, step, m) for step in range(12) for m in range(12)}
+    assert len(seeds) == 12 * 12

@@ -122,7 +122,7 @@ def test_sync_flag_set_after_the_forward_is_caught(equiv_data_dir, default_mode_
 @pytest.mark.compat
 def test_two_nodes_with_c10d_rendezvous_match_one_process(equiv_data_dir, equiv_runs, tmp_path):
     """Two torchrun agents on one machine, as two nodes of one process each: RANK 1 has
-    LOCAL_RANK 0."""
+    LOCAL_RANK 0, and prints no step line, as rank 0 prints them for the run."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     agents = [subprocess.Popen(
@@ -134,6 +134,7 @@ def test_two_nodes_with_c10d_rendezvous_match_one_process(equiv_data_dir, equiv_
         for _ in range(2)]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    assert sorted(f"step {STEPS:5d}/{STEPS} | loss: " in output for output in outputs) == [False, True]
     steps, evals = read_log(tmp_path)
     assert [s["loss"] for s in steps] == equiv_runs[1]["loss"]
     assert [e["val_loss"] for e in evals] == equiv_runs[1]["val_loss"]

@@ -143,6 +143,23 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
             signal.signal(s, handler)
 
 
+def test_a_stop_signal_that_reached_another_rank_alone_stops_this_ones_evaluation(monkeypatch):
+    """A signal to one node's ranks (a closed ssh's SIGHUP) must end every rank's evaluation at the
+    same batch, or the others wait in its collectives; here rank 0 of 2, whose peer has one."""
+    from gpt2_ddp import collectives
+
+    def all_reduce(t, op):  # this rank's value and its peer's, reduced by the op asked for
+        reduce = {"SUM": torch.sum, "MAX": torch.amax, "MIN": torch.amin}[op.name]
+        t.copy_(reduce(torch.stack([t, torch.ones_like(t)]), 0))
+
+    monkeypatch.setattr(collectives.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
+    received = collectives.StopSignals(torch.device("cpu"))
+    with pytest.raises(collectives.Stopped):
+        received.check()
+    assert received.first() == signal.SIGTERM  # what a rank that received none names
+
+
 @pytest.mark.compat
 def test_resume_on_another_world_size_continues_bitwise_the_same_run(data_dir, uninterrupted, tmp_path):
     """Killed at world size 2 (no restart), resumed at world size 1, killed again, resumed at 4:
@@ -295,6 +312,16 @@ def test_survivors_exit_within_the_collective_timeout(data_dir, tmp_path, fault)
                         r"--collective_timeout_s", output.splitlines()[-1])
 
 
+def test_a_lost_peer_is_named_only_where_two_ranks_leave_one_candidate():
+    """Above world size 2 a rank cannot tell which peer was lost, so the line names none."""
+    from gpt2_ddp.collectives import machine_failure
+    closed = RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+    assert str(machine_failure(closed, 0, 2, 5)).startswith("rank 0: rank 1 stopped, hung or died (")
+    for rank in (0, 3):
+        assert str(machine_failure(closed, rank, 4, 5)).startswith(
+            f"rank {rank}: another rank stopped, hung or died (Connection closed by peer")
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 def train_error(*args, process=False):
@@ -363,6 +390,8 @@ def test_bad_data_is_named_with_the_fix(tmp_path):
     ({"RANK": "abc"}, "RANK='abc' is not a whole number"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
     ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 and LOCAL_RANK=0 must be below WORLD_SIZE=1"),
+    ({"RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "1"},
+     "RANK=0 and LOCAL_RANK=1 must be below WORLD_SIZE=1"),
     ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK is set but MASTER_ADDR and MASTER_PORT not"),
     ({"RANK": "0", "WORLD_SIZE": "1"}, "RANK is set but MASTER_ADDR and MASTER_PORT not"),
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK not: launch with torchrun"),
@@ -533,6 +562,11 @@ def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpo
     assert all(all_finite(p) for p in out.glob("ckpt_*.pt"))
     steps, _ = read_log(out)
     assert [s["step"] for s in steps if s.get("skipped")] == [6, 7, 8]
+    # diverging before its first save, a resumed run names the checkpoint it resumed from
+    out, _ = copy_run(good_run, tmp_path / "unsaved")
+    assert "resume from the newest checkpoint (step 4)" in train_error(
+        *SMALL[len(TINY):], f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=20",
+        "--max_lr=1e30")
 
 
 def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_name(tmp_path):
@@ -549,6 +583,16 @@ def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_n
     assert bad.with_name(bad.name + ".damaged3").read_bytes() == b"not a checkpoint"
     assert [bad.with_name(bad.name + s).read_text() for s in (".damaged", ".damaged2")] == [
         "set aside before"] * 2
+
+
+def test_when_no_checkpoint_loads_the_error_gives_the_oldest_ones_reason_and_renames_none(tmp_path):
+    """The oldest is the last tried, so its reason is the one the run ends on."""
+    torch.save({"model": {}}, checkpoints.path_of(tmp_path, 1))
+    checkpoints.path_of(tmp_path, 2).write_bytes(b"not a checkpoint")
+    oldest = "not a train_gpt2.py checkpoint: no optimizer, config, step, loader, sha256"
+    with pytest.raises(UserError, match=rf"^no checkpoint in .* can be loaded \(the oldest: {oldest}\); "):
+        checkpoints.newest_loadable(tmp_path, lambda line: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
 
 
 def test_overwrite_keeps_a_first_checkpoint_that_has_an_old_ones_name(tmp_path):
@@ -596,7 +640,7 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_set_aside_not_kept_as_newest(
 def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(good_run, tmp_path):
     """A user's ckpt_best.pt (a good checkpoint, of step 2), a ckpt_abc.pt, a notes.tmp and a
     directory with a checkpoint's name sit beside the run's checkpoints: the run resumes from its
-    own newest, prunes only its own (and a killed save's temp file), and leaves the others as they
+    own newest, prunes only its own (and the temp files of killed writes), and leaves the others as they
     were. Steps past the zero padding sort by number. Good checkpoints named with other digits than
     path_of's 7 (ckpt_12.pt, ckpt_00000001.pt) are the user's too: neither resumed from nor pruned."""
     out, before = copy_run(good_run, tmp_path)
@@ -608,10 +652,12 @@ def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(g
     (out / "ckpt_0000009.pt").mkdir()
     (out / "notes.tmp").write_text("mine")  # a temp name, but not one of a killed save's
     (out / "ckpt_0000003.pt.tmp").write_bytes(b"cut")  # a killed save's
+    (out / "wandb_run_id.tmp").write_text("run")  # a killed write's, which this run does not redo
     proc = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--max_steps=6",
                          "--checkpoint_interval=1", "--keep_checkpoints=1"])
     assert f"resumed from {out}/ckpt_0000004.pt at step 4" in proc.stdout
     assert (out / "notes.tmp").read_text() == "mine" and not (out / "ckpt_0000003.pt.tmp").exists()
+    assert not (out / "wandb_run_id.tmp").exists()
     assert sorted(p.name for p in out.glob("ckpt_*")) == [
         "ckpt_00000001.pt", "ckpt_0000004.pt", "ckpt_0000006.pt", "ckpt_0000009.pt", "ckpt_12.pt",
         "ckpt_abc.pt", "ckpt_best.pt"]
@@ -804,13 +850,17 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
 
 
 def test_train_shards_that_changed_under_the_checkpoint_are_refused_unless_allowed(good_run, tmp_path):
-    """Shards made again (another size) under a run's data_dir: its saved position would point into
-    other tokens, so the resume is refused in one line naming --init_from and --allow_new_data."""
+    """Shards made again (another size) or added under a run's data_dir: its saved position would
+    point into other tokens, so the resume is refused in one line naming --init_from and
+    --allow_new_data."""
     out, _ = copy_run(good_run, tmp_path)
     data = tmp_path / "data"
     shutil.copytree(good_run / "data", data)
-    write_shard(data / "tiny_train_000002.bin", np.arange(1500) % 512)
     args = [*SMALL[len(TINY):], f"--data_dir={data}", f"--out_dir={out}", "--max_steps=6"]
+    write_shard(data / "tiny_train_000003.bin", np.arange(1500) % 512)  # one more shard, after the others
+    assert "(as [name, tokens]: None then, ['tiny_train_000003.bin', 1500] now)" in train_error(*args)
+    (data / "tiny_train_000003.bin").unlink()
+    write_shard(data / "tiny_train_000002.bin", np.arange(1500) % 512)
     err = train_error(*args)
     assert err == (f"train_gpt2.py: error: the train shards in {data} are not those checkpoint "
                    f"{out}/ckpt_0000004.pt was trained on (as [name, tokens]: ['tiny_train_000002.bin', "
@@ -967,12 +1017,13 @@ def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
 def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_released(tmp_path):
     """checkpoints.lock takes an exclusive lock: a second one on the same out_dir, even from this
     process (flock locks belong to each open file), is refused in one line naming the holder, and
-    taken once the first is released."""
+    taken once the first is released; the one who takes it then is the only holder named."""
     out = tmp_path / "out"
-    first = checkpoints.lock(out)
-    with pytest.raises(UserError, match="^" + re.escape(
-            f"out_dir {out} is in use by another run (pid {os.getpid()} on {socket.gethostname()}); "
-            f"wait for it to end, or pass another --out_dir") + "$"):
-        checkpoints.lock(out)
-    first.close()
-    checkpoints.lock(out).close()
+    refused = pytest.raises(UserError, match="^" + re.escape(
+        f"out_dir {out} is in use by another run (pid {os.getpid()} on {socket.gethostname()}); "
+        f"wait for it to end, or pass another --out_dir") + "$")
+    for _ in range(2):
+        first = checkpoints.lock(out)
+        with refused:
+            checkpoints.lock(out)
+        first.close()

@@ -4,6 +4,7 @@ and one line when their package is missing; the peak_flops key."""
 import dataclasses
 import fcntl
 import gc
+import io
 import json
 import os
 import pty
@@ -20,7 +21,7 @@ import torch
 
 from conftest import ROOT, TINY, record_host_reads, recording, run_training, train_here, write_hellaswag
 from gpt2_ddp import runs
-from gpt2_ddp.metrics import Waiting
+from gpt2_ddp.metrics import Waiting, Wandb
 from train_gpt2 import GPT, UserError, load_config
 import train_gpt2
 
@@ -129,6 +130,24 @@ def test_tensorboard_and_wandb_get_what_log_jsonl_keeps_across_a_resume(tmp_path
             assert r["mfu"] == pytest.approx(flops_per_step / (r["dt_ms"] / 1000) / peak, rel=1e-9)
 
 
+def test_a_run_from_step_0_hides_every_tensorboard_event_of_the_run_before(tmp_path):
+    """A run that starts over (its out_dir's log cut to nothing) shows its own step 0 alone, as
+    log.jsonl does, not the old run's beside it."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+    from gpt2_ddp import checkpoints, metrics
+    old = SummaryWriter(log_dir=str(tmp_path / "tensorboard"))
+    old.add_scalar("val_loss", 7.0, 0)
+    old.close()
+    out = checkpoints.OutDir(tmp_path)
+    out.start(0, None, [])
+    [sink] = metrics.open_sinks(out, load_config([*TINY, f"--out_dir={tmp_path}", "--tensorboard=true"]), 0)
+    sink.write({"step": 0, "val_loss": 6.0})
+    sink.close(failed=False)
+    out.lock.close()
+    assert tensorboard_scalars(tmp_path / "tensorboard") == {"val_loss": [(0, 6.0)]}
+
+
 def test_a_run_that_an_error_ends_still_flushes_its_sinks(tmp_path, tiny_data, monkeypatch,
                                                           one_thread):
     """A run that diverges (3 non-finite steps in a row at max_lr 1e30) ends in a UserError: once
@@ -202,6 +221,18 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, tiny_data, monkeypatch):
     assert not (tmp_path / "wandb_run_id").exists()
 
 
+def test_a_run_resumed_without_a_wandb_run_id_keeps_the_id_of_the_wandb_run_it_starts(tmp_path, monkeypatch):
+    """The first resume with wandb_log on (the earlier runs logged to no wandb run) starts a run that
+    the next resume must log to."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    config = load_config([*TINY, f"--out_dir={tmp_path}", "--wandb_log=true"])
+    for _ in range(2):
+        Wandb(config, resumed=True)
+    assert [call[1]["id"] for call in calls if call[0] == "init"] == [None, "run1"]
+    assert (tmp_path / "wandb_run_id").read_text() == "run1"
+
+
 @pytest.mark.parametrize("what", ["bytes", "directory"])
 def test_a_wandb_run_id_file_that_no_run_wrote_is_one_line(tmp_path, tiny_data, monkeypatch, what):
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb([]))
@@ -259,10 +290,35 @@ def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data
     assert "%|" not in plain.stdout + plain.stderr
 
 
+def test_only_rank_0_draws_the_evaluations_bars_on_the_terminal_all_ranks_share(tmp_path, tiny_data,
+                                                                               monkeypatch):
+    """torchrun's workers all write to its terminal, where rank 1's bars would garble rank 0's."""
+    from gpt2_ddp import hellaswag, precision
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    path = tmp_path / "hellaswag.jsonl"
+    write_hellaswag(path, 3)
+    config = load_config([*TINY, "--hellaswag_interval=1", f"--hellaswag_path={path}"])
+    model, cpu = GPT(config), torch.device("cpu")
+    autocast, examples = precision.autocast("float32", cpu), hellaswag.examples_for_training(config)
+    drawn = []
+    for rank in (0, 1):  # as each rank of 2, its stderr a terminal
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        loader = train_gpt2.DataLoader(tiny_data, "val", 2, 16, rank, 2, cpu)
+        train_gpt2.evaluate(model, loader, 2, autocast, torch.float32)
+        hellaswag.evaluate(model, examples, cpu, rank, 2, autocast)
+        drawn.append([name in sys.stderr.getvalue() for name in ("val loss:", "hellaswag:")])
+    assert drawn == [[True, True], [False, False]]
+
+
 def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_waits_for(capsys):
     """After a resume at step 10 the first step (8.7 s of warm-up) sets no eta; the next (0.5 s)
-    does, for the 8 steps left. A first step whose line is later than first_wait's interval (5 s)
-    says what it waits for, as does an evaluation; fast ones say nothing."""
+    does, for the 8 steps left, and the next (5.5 s) moves the average a tenth of the way to it. A
+    first step whose line is later than first_wait's interval (5 s) says what it waits for, as does
+    an evaluation; fast ones say nothing."""
     config = load_config([*TINY, "--max_steps=20"])
     optimizer = GPT(config).configure_optimizers(config, "cpu")
     for slow in (True, False):
@@ -272,9 +328,11 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
         time.sleep(0.4 if slow else 0)
         metrics.train_step(11, 6.0, 1e-3, 1.0, t0 - 8.7, optimizer, None, False, False)
         metrics.train_step(12, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, None, False, False)
+        metrics.train_step(13, 6.0, 1e-3, 1.0, time.time() - 5.5, optimizer, None, False, False)
         metrics.close()
-        lines = capsys.readouterr().out.splitlines()[-3:]
-        assert "eta" not in lines[-2] and lines[-1].endswith("| eta 0:00:04")
+        lines = capsys.readouterr().out.splitlines()[-4:]
+        assert "eta" not in lines[-3] and lines[-2].endswith("| eta 0:00:04")
+        assert lines[-1].endswith("| eta 0:00:07")  # 7 steps at 0.9 * 0.5 s + 0.1 * 5.5 s
         waited = "waiting for step 11, the first after a start: it warms up (memory, kernels)"
         assert (lines[0] == waited) == slow, lines
         with Waiting("the val loss", seconds=0.2):  # what evaluate() says of a long evaluation

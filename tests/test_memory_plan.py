@@ -3,6 +3,7 @@ activation checkpointing against runs without it (in test_sharding.py's and test
 runs), and the GPT-2 size configs kept runnable."""
 
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -75,6 +76,34 @@ def test_zero2_and_fsdp_plan_a_world_sizes_share_of_the_optimizer_state():
         for mode, share in (("ddp", 1), ("zero2", world_size), ("fsdp", world_size)):
             planned = memory_plan.plan(dataclasses.replace(SMALL, sharding=mode), world_size, counts)
             assert planned["optimizer state"] == state / share, (mode, world_size)
+
+
+def test_the_plan_above_one_rank_counts_ddps_buckets_and_fsdps_shards():
+    """At world size 4: DDP's buckets add a copy of the gradients unless gradient_as_bucket_view;
+    fsdp keeps a quarter of exact_reduction's float64 sums, and in 16 bits its parameters' quarter
+    plus the all-gathered root and two blocks (one rank alone uses no DDP)."""
+    model = meta_model(SMALL)
+    counts = memory_plan.count(model, model.configure_optimizers(SMALL, "meta")) | {"activations": 0}
+    numel = sum(p.numel() for p in model.parameters())
+    P = 4 * numel
+    root = numel - sum(p.numel() for p in model.transformer.h.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+
+    def part(name, world_size=4, **changes):
+        return memory_plan.plan(dataclasses.replace(SMALL, **changes), world_size, counts)[name]
+
+    assert part("gradients", world_size=1) == P
+    assert part("gradients") == 2 * P
+    assert part("gradients", gradient_as_bucket_view=True) == P
+    assert part("gradients", sharding="fsdp", exact_reduction=True) == 3 * P / 4
+    assert part("parameters", sharding="fsdp", dtype="bfloat16") == P / 4 + 2 * (root + 2 * block)
+
+
+def test_the_cpus_available_memory_counts_free_swap(monkeypatch):
+    """A model that fits in memory and swap together runs (slowly) rather than being refused."""
+    meminfo = {"/proc/meminfo": "MemTotal: 1000 kB\nMemAvailable: 300 kB\nSwapFree: 200 kB\n"}
+    monkeypatch.setattr(memory_plan, "open", lambda path: io.StringIO(meminfo[path]), raising=False)
+    assert memory_plan.available_bytes(torch.device("cpu"))[0] == 500 * 1024
 
 
 def profiled_bytes_per_sequence(config):
@@ -219,6 +248,18 @@ def test_script_prints_the_plan_and_what_fits():
     assert lines[1].split()[-1] == "total" and lines[2].startswith("planned GB")
     assert lines[1].split()[3:6] == ["gradients", "optimizer", "state"]  # the headers kept apart
     assert [line.split()[0] for line in lines[-3:]] == ["ddp", "zero2", "fsdp"]
+
+
+def test_script_plans_the_configs_activation_checkpointing_and_world_size(capsys):
+    """The plan printed for a config with activation checkpointing on, over 4 ranks, is memory_plan's
+    for that config and world size, not the defaults'."""
+    argv = ["configs/gpt2_124m.toml", "--activation_checkpointing=true", "--dtype=bfloat16", "--n_layer=2",
+            "--micro_batch_size=4", "--seq_len=256"]
+    memory_plan_main([*argv, "--world_size", "4", "--gpu_memory", "40"])
+    config = load_config(argv)
+    parts = memory_plan.plan(config, 4, memory_counts(config))
+    planned = capsys.readouterr().out.splitlines()[2].split()[2:]
+    assert [float(v) for v in planned] == [round(v / memory_plan.GB, 2) for v in parts.values()]
 
 
 @pytest.mark.parametrize("option, value, rule", [

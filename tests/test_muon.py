@@ -134,16 +134,21 @@ def test_owners_split_the_newton_schulz_work_evenly():
 
 # n_embd 34: c_attn's 102 rows and c_proj's 34 do not divide over 4 ranks, so fsdp's shards are uneven
 UNEVEN = [*MUON, "--sharding=fsdp", "--n_embd=34", "--max_steps=2", "--eval_interval=0"]
+# n_embd 33 in 3 heads: zero2 pads the flat slices of most tensors (c_attn's 99 x 33, the 33 biases)
+UNEVEN_ZERO2 = [*MUON, "--sharding=zero2", "--n_embd=33", "--n_head=3", "--max_steps=2", "--eval_interval=0"]
 
 
 @pytest.fixture(scope="module")
 def muon_and_uneven_runs(equiv_data_dir, tmp_path_factory):
-    """(muon_runs, compare's runs of UNEVEN at world sizes 1 and 4), in the same launches."""
+    """(muon_runs, compare's runs of UNEVEN and of UNEVEN_ZERO2 at world sizes 1 and 4), in the same
+    launches."""
     out = tmp_path_factory.mktemp("muon")
-    *results, uneven = compare_together(
+    *results, uneven, uneven_zero2 = compare_together(
         [([*muon_args(equiv_data_dir), f"--sharding={mode}"], WORLD_SIZES[mode], out / mode)
-         for mode in WORLD_SIZES] + [([*UNEVEN, f"--data_dir={equiv_data_dir}"], [1, 4], out / "uneven")])
-    return {mode: (result, out / mode) for mode, result in zip(WORLD_SIZES, results)}, uneven
+         for mode in WORLD_SIZES] + [([*UNEVEN, f"--data_dir={equiv_data_dir}"], [1, 4], out / "uneven"),
+                                     ([*UNEVEN_ZERO2, f"--data_dir={equiv_data_dir}"], [1, 4],
+                                      out / "uneven_zero2")])
+    return {mode: (result, out / mode) for mode, result in zip(WORLD_SIZES, results)}, uneven, uneven_zero2
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +182,15 @@ def test_muon_in_fsdp_with_rows_that_do_not_divide_over_the_ranks(muon_and_uneve
     assert len(runs[4]["loss"]) == 2
     # uneven fsdp shards are not bitwise the one-process run (their weights differ in the last bits), so
     # this checks the pieces' sizes to a tolerance
+    np.testing.assert_allclose(runs[4]["loss"], runs[1]["loss"], rtol=1e-6)
+    assert runs[4]["max_param_diff"] < 1e-5
+
+
+def test_zero2_with_tensors_that_do_not_divide_over_the_ranks(muon_and_uneven_runs):
+    """zero2 pads each flat slice to a multiple of the world size; AdamW's and Muon's padded slices
+    must gather back into the weights of one process (to 1e-5: the slices' last bits differ)."""
+    runs = muon_and_uneven_runs[2]
+    assert len(runs[4]["loss"]) == 2
     np.testing.assert_allclose(runs[4]["loss"], runs[1]["loss"], rtol=1e-6)
     assert runs[4]["max_param_diff"] < 1e-5
 

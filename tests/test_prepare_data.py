@@ -472,8 +472,10 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     assert capsys.readouterr().out == f"{out_dir} already holds the shards of this input and these " \
                                       f"options: nothing to do\n"
     assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == before
-    with pytest.raises(UserError, match="made from other input or options; pass --overwrite"):
-        run(*common, "--val_tokens", 3)
+    for option in (["--val_tokens", 3], ["--val_fraction", 0.5], ["--shard_size", 7],
+                   ["--sample_by", "paragraph"]):  # each would make other shards
+        with pytest.raises(UserError, match="made from other input or options; pass --overwrite"):
+            run(*common, *option)
     (tmp_path / "a.txt").write_text("Other text.")
     with pytest.raises(UserError, match="made from other input or options"):
         run(*common)

@@ -256,13 +256,18 @@ def test_plot_skips_a_record_that_is_not_train_gpt2s_with_a_warning(tmp_path, re
 
 def test_a_torn_line_in_a_log_is_skipped_with_a_warning(tmp_path, capsys):
     """A full disk cut a record short and the next one went on the same line: the line is lost,
-    the rest kept. A last line not yet ended (a run being written or killed) goes silently."""
+    the rest kept. A last line not yet ended (a run being written or killed) goes silently. Of many
+    such lines the first ten are named, where a reader starts looking."""
     lines = [json.dumps({"step": step, "loss": 3.0, "dt_ms": 75.23}) for step in range(1, 6)]
     log = tmp_path / "log.jsonl"
     log.write_text(f"{lines[0]}\n{lines[1][:-1]}{lines[2]}\n{lines[3]}\n[]\n{lines[4]}\n")
     assert [r["step"] for r in runs.read_log(tmp_path)] == [1, 4, 5]
     assert capsys.readouterr().err == (f"warning: {log}: skipped 2 lines that are not a JSON object "
                                        f"(lines 2, 4)\n")
+    log.write_text("[]\n" * 12 + f"{lines[0]}\n")
+    assert [r["step"] for r in runs.read_log(log)] == [1]
+    assert capsys.readouterr().err == (f"warning: {log}: skipped 12 lines that are not a JSON object "
+                                       f"(lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...)\n")
     log.write_text(f"{lines[0]}\n{lines[1][:20]}")
     assert [r["step"] for r in runs.read_log(log)] == [1] and capsys.readouterr().err == ""
     log.write_text("")
@@ -292,6 +297,19 @@ def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tm
     with pytest.raises(SystemExit):
         timeline.main([str(trace), "--steps", "0"])
     assert capsys.readouterr().err.endswith(" error: --steps must be >= 1, got 0\n")
+
+
+def test_timeline_draws_the_first_steps_profiled_steps(tmp_path):
+    """--steps N draws the ranges of the first N profiled steps, all of them where fewer were profiled,
+    timed from the first step's start."""
+    events = []
+    for step in range(3):  # steps of 100 us holding a forward range each, apart from the step before
+        start = 1000 + 200 * step
+        events += [{"ph": "X", "name": f"ProfilerStep#{step}", "ts": start, "dur": 100},
+                   {"ph": "X", "name": "forward", "cat": "user_annotation", "ts": start + 10, "dur": 50}]
+    for steps, starts in ((1, [0.01]), (2, [0.01, 0.21]), (5, [0.01, 0.21, 0.41])):
+        compute, _ = timeline.lanes({"traceEvents": events}, steps)
+        assert [start for _, start, _ in compute] == pytest.approx(starts), steps
 
 
 def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):
@@ -363,7 +381,8 @@ def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, 
 
 def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
     """A run whose loss falls from 11 to 6 in its first steps and then to 5: the axis shows 5 to 6,
-    not 11, and the first steps' curve runs off its top."""
+    not 11, and the first steps' curve runs off its top. The smoothed curve is the mean of the last 4
+    steps (a 50th of the run), of fewer over the first 3."""
     figures = []
     monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
     losses = [11.0 - i for i in range(5)] + list(np.linspace(6.0, 5.0, 195))
@@ -371,3 +390,6 @@ def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
               tmp_path / "plot.png")
     low, high = figures[0].axes[0].get_ylim()
     assert 4.8 < low < 5.0 and 6.0 < high < 6.5
+    raw, smoothed = figures[0].axes[0].lines
+    means = [np.mean(losses[max(0, k - 3):k + 1]) for k in range(200)]
+    np.testing.assert_allclose(smoothed.get_ydata(), means, rtol=1e-12)

@@ -76,6 +76,18 @@ def test_min_lr_equal_to_max_lr_is_a_constant_schedule():
     assert [train_gpt2.get_lr(step, config) for step in range(2, 11)] == [1e-3] * 9
 
 
+def test_val_batches_0_is_taken_with_evaluation_off():
+    """The refusal of val_batches=0 offers --eval_interval=0, which must then run."""
+    assert load_config(["--eval_interval=0", "--val_batches=0"]).val_batches == 0
+
+
+def test_the_defaults_are_the_gpt2_124m_config_but_its_out_dir_prompt_and_hellaswag():
+    """The module's docstring promises that the defaults are configs/gpt2_124m.toml's run."""
+    defaults, config = Config(), load_config([str(ROOT / "configs" / "gpt2_124m.toml")])
+    differ = {key for key in Config.__dataclass_fields__ if getattr(config, key) != getattr(defaults, key)}
+    assert differ == {"out_dir", "sample_prompt", "hellaswag_interval"}
+
+
 def test_a_sample_prompt_token_at_vocab_size_is_refused():
     """The embedding's rows are 0 .. vocab_size - 1: a sample_prompt holding the id vocab_size itself
     ("a" is GPT-2's 64) is refused before any work, and with vocab_size one larger it is taken."""
@@ -107,6 +119,39 @@ def test_a_device_this_machine_lacks_is_refused_before_any_work(device, message)
         pytest.skip("this machine has MPS")
     with pytest.raises(UserError, match=message):
         train_gpt2.main([f"--device={device}"])
+
+
+def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process_alone(monkeypatch):
+    """On a machine of two GPUs (made up here) the worker of LOCAL_RANK 1 trains on cuda:1, as all
+    ranks on one GPU would run out of its memory; MPS, one device, goes to a plain process alone."""
+    from gpt2_ddp.device import choose_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("auto", "cuda"):
+        assert choose_device(load_config([f"--device={device}"]), 1, True) == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    auto = load_config(["--device=auto"])
+    assert choose_device(auto, 0, False) == torch.device("mps")
+    assert choose_device(auto, 0, True) == torch.device("cpu")
+
+
+def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch):
+    """A plain process sums in one thread, as torchrun's workers do, so its bits are theirs; a
+    thread count the user set is kept."""
+    from gpt2_ddp.device import make_deterministic
+    threads = torch.get_num_threads()
+    try:
+        for env, expected in ((None, 1), ("2", 2)):
+            torch.set_num_threads(2)
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            make_deterministic(torch.device("cpu"))
+            assert torch.get_num_threads() == expected, env
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_token_ids_come_from_the_manifest_or_one_scan_kept_in_out_dir(tmp_path):
@@ -282,6 +327,16 @@ def test_loader_crosses_shard_boundaries_and_wraps(tmp_path, n_train, batches):
     assert x.flatten().tolist() == stream[:16].tolist()
 
 
+def test_a_split_one_token_short_of_a_micro_batch_is_refused_in_one_line(tmp_path):
+    """A micro-batch reads B*T+1 tokens: a split of B*T+1 holds one, a split of B*T none."""
+    make_shards(tmp_path, n_train=17, train_shards=1)
+    assert loader(tmp_path, B=1, T=16).batches_per_epoch == 1
+    make_shards(tmp_path, n_train=16, train_shards=1)
+    with pytest.raises(UserError, match=f"^train split in {tmp_path} has 16 tokens, fewer than one "
+                                        f"micro-batch of B\\*T\\+1 = 17; lower micro_batch_size or seq_len$"):
+        loader(tmp_path, B=1, T=16)
+
+
 def write_llm_c_shard(path, tokens):
     """A shard as llm.c's dev/data/data_common.py write_datafile writes it (GPT-2 tokens)."""
     header = np.zeros(256, dtype=np.int32)
@@ -384,6 +439,21 @@ def test_a_shard_rewritten_in_place_under_the_loader_is_named_and_not_read(tmp_p
     os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
     after = shard.stat()
     assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    x, y = dl.next_batch()
+    assert x.flatten().tolist() == [0] * 16 and y.flatten().tolist() == [0] * 16
+    with pytest.raises(UserError, match=f"^shard {shard} changed while this run read it \\(replaced or "
+                                        f"rewritten\\): the run stopped at its last step, saved"):
+        dl.raise_changed()
+
+
+def test_a_shard_replaced_by_a_new_file_after_the_loader_opened_it_is_named_and_not_read(tmp_path):
+    """The loader keeps a shard open: a new file renamed over it (as write_shard does) is seen at
+    its path, where the open file still looks unchanged, and gives zeros, not the old tokens."""
+    stream = make_shards(tmp_path, n_train=128, train_shards=2)
+    dl = loader(tmp_path, B=1, T=16)
+    assert dl.next_batch()[0].flatten().tolist() == stream[:16].tolist()
+    shard = tmp_path / "tiny_train_000001.bin"
+    write_shard(shard, np.full(64, 7))
     x, y = dl.next_batch()
     assert x.flatten().tolist() == [0] * 16 and y.flatten().tolist() == [0] * 16
     with pytest.raises(UserError, match=f"^shard {shard} changed while this run read it \\(replaced or "
@@ -641,6 +711,18 @@ def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch, world_size):
         train_gpt2.setup_distributed(load_config([*TINY, "--grad_compression=bf16", "--collective_timeout_s=2"]))
 
 
+def test_bf16_gradient_compression_is_no_error_in_one_plain_process(monkeypatch):
+    """One process run by plain python all-reduces nothing, so a GPU config's bf16 runs on the CPU."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        config = load_config([*TINY, "--grad_compression=bf16", "--device=cpu"])
+        assert train_gpt2.setup_distributed(config) == (0, 1, torch.device("cpu"))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def test_a_compiled_run_says_that_its_first_step_waits_for_compilation(capsys):
     """torch.compile compiles at the first call, so the wrapping alone is quick, and says so."""
     config = load_config([*TINY, "--compile=true"])
@@ -648,3 +730,32 @@ def test_a_compiled_run_says_that_its_first_step_waits_for_compilation(capsys):
     assert "torch.compile: the first step waits while the model compiles" in capsys.readouterr().out
     train_gpt2.parallelize(GPT(config), dataclasses.replace(config, compile=False), torch.device("cpu"))
     assert "torch.compile" not in capsys.readouterr().out
+
+
+def test_ddp_options_reach_ddp():
+    """These options change DDP's memory, buckets or compilation but no logged number, so DDP is asked."""
+    config = load_config(TINY)
+    x = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    DDP, Compiled = torch.nn.parallel.DistributedDataParallel, type(torch.compile(torch.nn.Identity()))
+
+    def wrapped(**options):
+        return train_gpt2.parallelize(GPT(config), dataclasses.replace(config, **options),
+                                      torch.device("cpu"))[0]
+
+    def grad_storages(model):
+        model(x, x)[1].backward()
+        return len({p.grad.untyped_storage().data_ptr() for p in model.parameters()})
+
+    def wrappers(model):  # the modules around the GPT, outermost first
+        inner = model.module if isinstance(model, DDP) else getattr(model, "_orig_mod", None)
+        return [type(model), *wrappers(inner)] if inner is not None else []
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        views = wrapped(gradient_as_bucket_view=True, bucket_cap_mb=1)
+        assert grad_storages(wrapped()) == len(list(views.parameters())) and grad_storages(views) == 1
+        assert views.bucket_bytes_cap == 2**20  # one process has one bucket; more split at this size
+        assert [wrappers(wrapped(compile=True, compile_ddp=c)) for c in (False, True)] == [
+            [DDP, Compiled], [Compiled, DDP]]
+    finally:
+        torch.distributed.destroy_process_group()

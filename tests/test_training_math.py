@@ -4,6 +4,7 @@ its schedule; weight decay falls on the 2-D weights alone; a non-finite step cha
 float16 logs float32's gradient norm; the val loss is the mean over val_batches at any world size."""
 
 import contextlib
+import dataclasses
 import io
 import math
 
@@ -165,6 +166,16 @@ def test_logged_lr_is_the_schedule(runs, data_dir):
     for name in runs:
         assert [r["lr"] for r in runs[name]] == [train_gpt2.get_lr(s - 1, config)
                                                  for s in range(1, STEPS + 1)]
+
+
+def test_a_resume_names_every_lr_key_it_changes(capsys):
+    """max_steps and warmup_steps are named in test_faults.py; the lrs reshape the schedule too."""
+    config = train_gpt2.load_config(["--optimizer=muon"])
+    for key in ("max_lr", "min_lr", "muon_lr"):
+        saved = {**dataclasses.asdict(config), key: getattr(config, key) / 2}
+        train_gpt2.note_schedule(config, saved, 10)
+        assert (f"the schedule changes from the checkpoint's: {key} {saved[key]} -> {getattr(config, key)}; "
+                f"the lr of step 11 is ") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

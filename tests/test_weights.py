@@ -56,6 +56,12 @@ def test_init_from_refuses_a_conflicting_model_config(hf_tiny, override, message
         init_from(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}", override]))
 
 
+def test_init_from_takes_a_seq_len_of_the_checkpoints_whole_block_size(hf_tiny):
+    """seq_len may reach block_size, as the finetune config's 1024 does on GPT-2's; only above is refused."""
+    config, state = init_from(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}", "--seq_len=64"]))
+    assert (config.seq_len, config.block_size) == (64, 64) and state is not None
+
+
 def test_init_from_a_missing_directory_says_what_it_needs(tmp_path):
     with pytest.raises(UserError, match="neither gpt2, .* nor a Hugging Face GPT-2 directory "
                                         "\\(config.json and model.safetensors missing\\)"):
@@ -310,6 +316,19 @@ def test_a_missing_or_odd_tensor_is_one_line(hf_tiny, tmp_path, tensors, message
     path = hf_dir_with(tmp_path, hf_tiny, tensors=tensors)
     with pytest.raises(UserError, match=f"^{message.format(path=path)}$"):
         GPT.from_pretrained(path)
+
+
+def test_init_from_openais_layout_and_the_same_model_spelled_otherwise_loads_the_weights(hf_tiny, tmp_path):
+    """OpenAI's checkpoints on the hub are GPT2Model files: no "transformer." prefix, no lm_head, the
+    causal masks saved as h.N.attn.bias; and a config may name n_inner = 4 * n_embd or
+    gelu_pytorch_tanh, GPT-2's MLP all the same. Each loads hf_tiny's weights."""
+    expected = GPT.from_pretrained(hf_tiny).state_dict()
+    openai = {k.removeprefix("transformer."): v for k, v in load_file(hf_tiny / "model.safetensors").items()}
+    openai |= {f"h.{i}.attn.bias": torch.ones(64, 64).tril().view(1, 1, 64, 64) for i in range(2)}
+    path = hf_dir_with(tmp_path, hf_tiny, {"n_inner": 4 * 32, "activation_function": "gelu_pytorch_tanh"})
+    save_file(openai, path / "model.safetensors")
+    loaded = GPT.from_pretrained(path).state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
 def test_shipped_tokenizer_files_are_gpt2s():

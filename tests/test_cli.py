@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 
@@ -212,6 +213,16 @@ def test_a_run_killed_by_a_signal_is_a_failure_with_its_output(tmp_path):
     fake_python.chmod(0o755)
     with pytest.raises(UserError, match=r"train_gpt2.py failed \(-9\):\nstep     1 \| loss 6.2\n"):
         runs.train([], python=str(fake_python), timeout=60)
+
+
+def test_a_command_streamed_from_a_worker_thread_runs_with_no_signal_handlers():
+    """Only the main thread may set signal handlers, so a script's thread that launches runs (a
+    sweep over configs, say) leaves stop signals to the main thread."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(runs.stream(["echo", "hi"], lambda *a: None)))
+    worker.start()
+    worker.join(60)
+    assert result == [(0, "hi\n", "")]
 
 
 @pytest.mark.parametrize("argv", [["train_gpt2.py", "-h"], ["-m", "scripts.bench", "--help"]])

@@ -456,9 +456,23 @@ def test_a_shard_replaced_by_a_new_file_after_the_loader_opened_it_is_named_and_
     write_shard(shard, np.full(64, 7))
     x, y = dl.next_batch()
     assert x.flatten().tolist() == [0] * 16 and y.flatten().tolist() == [0] * 16
-    with pytest.raises(UserError, match=f"^shard {shard} changed while this run read it \\(replaced or "
-                                        f"rewritten\\): the run stopped at its last step, saved"):
+    with pytest.raises(UserError, match="^" + re.escape(
+            f"shard {shard} changed while this run read it (replaced or rewritten): the run stopped at "
+            f"its last step, saved, untrained on the change; restore the shard and rerun to resume, or "
+            f"rerun with --allow_new_data=true to go on in the new shards") + "$"):
         dl.raise_changed()
+
+
+def test_shards_linked_into_a_data_dir_are_read_through_their_links(tmp_path):
+    """A data_dir of symlinks to shards kept elsewhere (a shared disk) is the shards it points to:
+    read as they are, not taken for replaced files."""
+    stream = make_shards(tmp_path / "kept", n_train=128, train_shards=2)
+    (tmp_path / "linked").mkdir()
+    for shard in (tmp_path / "kept").glob("*.bin"):
+        (tmp_path / "linked" / shard.name).symlink_to(shard)
+    dl = loader(tmp_path / "linked", B=1, T=16)
+    batches = [dl.next_batch()[0].flatten().tolist() for _ in range(6)]
+    assert batches == [stream[16 * i:16 * (i + 1)].tolist() for i in range(6)] and dl.changed is None
 
 
 def test_a_short_read_of_a_shard_is_named_in_one_line(tmp_path, monkeypatch):

@@ -53,7 +53,11 @@ def test_check_script_prints_the_table(equiv_runs, default_mode_runs, capsys):
     assert "max |diff| of weights" in out
     assert "bitwise identical at every world size" in out
     print_table(default_mode_runs)
-    assert "--exact_reduction=true sums in float64" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--exact_reduction=true sums in float64" in out
+    for name in ("loss", "val_loss"):  # each world size's largest difference, labelled with it
+        worst = max(abs(a - b) for a, b in zip(default_mode_runs[2][name], default_mode_runs[1][name]))
+        assert worst > 0 and f"max |diff| of {name:8s}: world size 2: {worst:.3e}\n" in out
 
 
 def test_dropout_masks_depend_on_the_micro_batch_not_the_rank(equiv_data_dir, equiv_runs, tmp_path):

@@ -339,8 +339,17 @@ def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
     assert split_stream(out_dir, "train").tolist() == expected[100:]
 
 
-@pytest.mark.parametrize("value", ["1.5", "-3", "abc", "0"])
-def test_bad_shard_size_is_rejected(tmp_path, value):
+@pytest.mark.parametrize("value, message", [
+    ("1.5", "argument --shard_size: expected a whole number of tokens >= 0, got '1.5'"),
+    ("-3", "argument --shard_size: expected a whole number of tokens >= 0, got '-3'"),
+    ("abc", "argument --shard_size: not a number: 'abc'"),
+    ("0", "--shard_size must be in [1, "),
+])
+def test_bad_shard_size_is_rejected(tmp_path, capsys, value, message):
+    """Refused by the parser, in one line, before any shard is written (a size of 0 would never end)."""
+    with pytest.raises(SystemExit):
+        prepare_data._parse_args(["--shard_size", value, "--output_dir", str(tmp_path)])
+    assert f"error: {message}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run("--shard_size", value, "--output_dir", tmp_path)
     assert names(tmp_path) == []

@@ -131,6 +131,14 @@ def test_a_negative_number_of_examples_is_refused(gpt_tiny, examples_file, capsy
         ": error: --examples must be >= 0 (0: all), got -5\n")
 
 
+def test_a_label_written_as_a_digit_string_is_read_as_its_number(tmp_path):
+    """Some copies of the val split write "label": "2"; it is the same example as "label": 2."""
+    path = tmp_path / "labels.jsonl"
+    path.write_text("".join(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": label}) + "\n"
+                            for label in ("2", 2)))
+    assert [example["label"] for example in hellaswag.load_examples(path)] == [2, 2]
+
+
 def test_a_model_with_a_smaller_vocabulary_is_refused(examples_file):
     examples = hellaswag.load_examples(examples_file)
     with pytest.raises(UserError, match="example 7 has GPT-2 token id .* beyond the model's "

@@ -103,7 +103,9 @@ def test_the_cpus_available_memory_counts_free_swap(monkeypatch):
     """A model that fits in memory and swap together runs (slowly) rather than being refused."""
     meminfo = {"/proc/meminfo": "MemTotal: 1000 kB\nMemAvailable: 300 kB\nSwapFree: 200 kB\n"}
     monkeypatch.setattr(memory_plan, "open", lambda path: io.StringIO(meminfo[path]), raising=False)
-    assert memory_plan.available_bytes(torch.device("cpu"))[0] == 500 * 1024
+    meminfo["/proc/meminfo"] = "MemAvailable: 2000000 kB\nSwapFree: 1000000 kB\n"
+    assert memory_plan.available_bytes(torch.device("cpu")) == (
+        3072000000, "this machine has 2.9 GB available (memory and swap)")
 
 
 def profiled_bytes_per_sequence(config):

@@ -215,6 +215,13 @@ def test_a_run_killed_by_a_signal_is_a_failure_with_its_output(tmp_path):
         runs.train([], python=str(fake_python), timeout=60)
 
 
+def test_a_command_runs_in_the_repository_root_from_any_working_directory(tmp_path, monkeypatch):
+    """The scripts launch `train_gpt2.py` and `-m scripts.NAME` by paths relative to the root."""
+    monkeypatch.chdir(tmp_path)
+    code, stdout, _ = runs.stream([sys.executable, "-c", "import os; print(os.getcwd())"], lambda *a: None)
+    assert (code, stdout) == (0, f"{ROOT}\n")
+
+
 def test_a_command_streamed_from_a_worker_thread_runs_with_no_signal_handlers():
     """Only the main thread may set signal handlers, so a script's thread that launches runs (a
     sweep over configs, say) leaves stop signals to the main thread."""

@@ -235,12 +235,12 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
 
 def test_resume_keeps_the_log_up_to_its_checkpoint(tmp_path):
     """Resuming from ckpt_4 keeps the records of steps <= 4 (the evaluations of step 4 ran before
-    it was saved) and drops the rest. A fresh start keeps nothing."""
+    it was saved) and drops the rest; a damaged line is dropped alone. A fresh start keeps nothing."""
     from gpt2_ddp import checkpoints
 
     def kept(records, resumed_from):
         out = checkpoints.OutDir(tmp_path)
-        out.log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        out.log_path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
         out.start(4 if resumed_from else 0, resumed_from, [])
         out.lock.close()
         return [(r["step"], "loss" in r) for r in map(json.loads, out.log_path.read_text().splitlines())]
@@ -255,6 +255,7 @@ def test_resume_keeps_the_log_up_to_its_checkpoint(tmp_path):
     new = [val(0), *map(train, range(1, 5)), val(4), train(5), train(6)]
     assert kept(new, ckpt) == [(0, False), *((s, True) for s in range(1, 5)), (4, False)]
     assert kept(new, None) == []
+    assert kept([train(1), '{"step": 2, "lo', train(3)], ckpt) == [(1, True), (3, True)]
 
 
 def test_resume_with_another_micro_batch_size_sees_the_same_tokens(data_dir, tmp_path):

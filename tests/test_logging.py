@@ -318,17 +318,18 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
     """After a resume at step 10 the first step (8.7 s of warm-up) sets no eta; the next (0.5 s)
     does, for the 8 steps left, and the next (5.5 s) moves the average a tenth of the way to it. A
     first step whose line is later than first_wait's interval (5 s) says what it waits for, as does
-    an evaluation; fast ones say nothing."""
+    an evaluation; fast ones say nothing, then or later."""
     config = load_config([*TINY, "--max_steps=20"])
     optimizer = GPT(config).configure_optimizers(config, "cpu")
     for slow in (True, False):
         metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), GPT(config), 10)
-        metrics.first_wait.interval = 0.2 if slow else 60
+        metrics.first_wait.interval = 0.2 if slow else 1.0
         t0 = metrics.step_begins()
         time.sleep(0.4 if slow else 0)
         metrics.train_step(11, 6.0, 1e-3, 1.0, t0 - 8.7, optimizer, None, False, False)
         metrics.train_step(12, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, None, False, False)
         metrics.train_step(13, 6.0, 1e-3, 1.0, time.time() - 5.5, optimizer, None, False, False)
+        time.sleep(1.2)  # past the interval: a fast first step's line has ended the wait for good
         metrics.close()
         lines = capsys.readouterr().out.splitlines()[-4:]
         assert "eta" not in lines[-3] and lines[-2].endswith("| eta 0:00:04")

@@ -665,6 +665,8 @@ def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path,
         assert s["mfu"] == pytest.approx(flops_per_step / (s["dt_ms"] / 1000) / peak, rel=1e-9)
     out = capsys.readouterr().out
     assert out.count("| mfu: ") == 3 and "MFU not reported" not in out
+    for s in steps:  # the console shows it in percent
+        assert f"step {s['step']:5d}/3 | " in out and f" | mfu: {s['mfu'] * 100:.1f}%" in out
 
 
 def test_a_run_in_this_process_leaves_the_signal_handlers_as_it_found_them(tiny_data, tmp_path):

@@ -37,6 +37,7 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     # a micro-batch size is one more variant, run as the named ones are
     assert bench.plan(["eager"], [1, 4])[1:] == [("B=1", ["--micro_batch_size=1"]),
                                                  ("B=4", ["--micro_batch_size=4"])]
+    assert not list((tmp_path / "bench").glob("*/ckpt_*"))  # a 124M run would leave a checkpoint a variant
     for name in rows:  # each run shows on stderr as it trains
         assert f"{name}: started\n" in proc.stderr and f"{name}: finished in " in proc.stderr
         assert re.search(rf"^{re.escape(name)}: step +\d+/\d+ \| loss", proc.stderr, re.M), proc.stderr

@@ -230,6 +230,15 @@ def test_a_shard_longer_than_one_read_is_scanned_to_its_end(tmp_path):
     assert document_starts(shard, 9).tolist() == [3, (1 << 24) + 4]
 
 
+def test_a_token_id_cache_that_cannot_be_written_is_skipped(tmp_path):
+    """The cache only saves the next run a scan: a read-only or full out_dir, or a directory in its
+    place, leaves this run's check as it was."""
+    shard = tmp_path / "t_train.bin"
+    write_shard(shard, [3, 9, 4])
+    (tmp_path / "ids.json").mkdir()
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
+
+
 def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path):
     """max_token_ids at world size 2: shard i is scanned by rank i % 2 alone (-1 on the other), and
     the element-wise maximum of the two ranks' lists is every shard's largest token id."""

@@ -673,6 +673,17 @@ def test_a_rerun_makes_missing_or_resized_shards_again(tmp_path, capsys):
         run(*common)
 
 
+@pytest.mark.parametrize("option", [["--split", "validation"], ["--dataset_config", "sample-10BT"]])
+def test_a_hub_option_without_dataset_is_refused(tmp_path, capsys, option):
+    """--split and --dataset_config choose what to stream from the hub; on local input they would be
+    ignored, and the user would get other shards than asked for."""
+    (tmp_path / "a.txt").write_text("Hello world.")
+    with pytest.raises(SystemExit):
+        run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", *option)
+    assert "error: --dataset_config and --split only apply to --dataset" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_input_without_a_val_split_is_refused(tmp_path, capsys):
     """train_gpt2.py evaluates on the val split and refuses data without one."""
     (tmp_path / "a.txt").write_text("Hello world.")

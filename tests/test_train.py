@@ -136,6 +136,34 @@ def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process
     assert choose_device(auto, 0, True) == torch.device("cpu")
 
 
+def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(monkeypatch):
+    """NCCL and CUDA calls that name no device use the current one, which must be the worker's own
+    (on a made-up machine of two GPUs, as rank 1 of 2)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    current, joined = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(train_gpt2, "init_process_group",
+                        lambda backend, **kwargs: joined.append((backend, kwargs["device_id"])))
+    monkeypatch.setattr(train_gpt2, "wait_for_master", lambda timeout: None)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        config = load_config([*TINY, "--device=cuda"])
+        assert train_gpt2.setup_distributed(config) == (1, 2, torch.device("cuda:1"))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert current == [torch.device("cuda:1")] and joined == [("nccl", torch.device("cuda:1"))]
+
+
+def test_the_default_out_dir_is_one_git_ignores():
+    """A run without --out_dir writes its checkpoints to out/, which .gitignore keeps out of commits."""
+    assert Config().out_dir == "out" and "/out/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
 def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch):
     """A plain process sums in one thread, as torchrun's workers do, so its bits are theirs; a
     thread count the user set is kept."""

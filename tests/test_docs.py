@@ -38,6 +38,8 @@ LINES = {
              r"accum steps",
     "dtype": r"dtype (bfloat16|float16 with loss scaling|float32): .+",
     "epochs": r"max_steps=\d+ x \d+ tokens a step = [\d,]+ tokens: \d+\.\d epochs of the [\d,]+ train tokens",
+    "attention": r"attention: [A-Z_]+, (torch's choice of kernel for \w+ \(sdpa_backend=auto\)"
+                 r"|set by sdpa_backend=\w+(; torch.compile's caches off, as their keys ignore the kernel)?)",
 }
 # words of how or where the repository was made, which docs and comments never speak of
 BUILT = r"\b(lent|sessions?|this task|before the restructure|since removed)\b"
@@ -144,7 +146,7 @@ def test_the_docs_console_lines_have_the_shape_the_training_prints(tmp_path):
     assert all(printed.values()), proc.stdout
     quoted = [line for doc in DOCS for block in FENCE.findall(doc.read_text())
               for line in block.splitlines()
-              if re.match(r"(step|sample at step|saved|world_size|dtype|max_steps=\d+) ", line)]
+              if re.match(r"(step|sample at step|saved|world_size|dtype|max_steps=\d+|attention:) ", line)]
     assert quoted and [line for line in quoted
                        if not any(re.fullmatch(shape, line) for shape in LINES.values())] == []
 

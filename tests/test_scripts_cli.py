@@ -39,8 +39,10 @@ def run_all(commands):
 
 
 def test_help_opens_with_the_usage_line_that_runs():
+    """The two top-level programs are run by their full paths here, and name their files alone."""
     usages = ["python train_gpt2.py", "python prepare_data.py", *(f"python -m scripts.{s}" for s in SCRIPTS)]
-    [(out, err, code)] = run_all([["-c", FIRST_HELP_LINES, *(usage.split()[-1] for usage in usages)]])
+    programs = [str(ROOT / u.split()[-1]) if u.endswith(".py") else u.split()[-1] for u in usages]
+    [(out, err, code)] = run_all([["-c", FIRST_HELP_LINES, *programs]])
     assert (err, code) == ("", 0)
     lines = out.splitlines()
     assert len(lines) == len(usages), out

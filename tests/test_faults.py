@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -423,6 +424,22 @@ def test_an_error_that_other_ranks_alone_find_is_raised_on_rank_0_too(monkeypatc
     monkeypatch.setattr(collectives.dist, "all_gather_object", all_gather_object)
     with pytest.raises(UserError, match="^rank 1's error$"):
         collectives.agreed(lambda: "rank 0's result")
+
+
+def test_a_rank_waits_for_rank_0s_store_until_it_listens_or_the_timeout_ends(monkeypatch):
+    """Ranks started before rank 0 keep trying to connect; past collective_timeout_s, one line."""
+    from gpt2_ddp.collectives import wait_for_master
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with socket.socket() as store:
+        later = threading.Timer(0.5, lambda: (store.bind(("127.0.0.1", port)), store.listen()))
+        later.start()
+        wait_for_master(60)
+        later.join()
+    with pytest.raises(UserError, match=rf"^rank 0 at 127.0.0.1:{port} did not answer within "
+                                        rf"collective_timeout_s=0.3 s \("):
+        wait_for_master(0.3)
 
 
 def test_a_rank_whose_peer_never_joins_is_one_line_naming_the_timeout(tmp_path):

@@ -261,6 +261,10 @@ def test_every_config_key_passes_through_torchrun():
 def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
+    # the launch commands of the module's docstring as written, a blank line, then the keys
+    assert out.startswith(f"usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n{train_gpt2.__doc__}\n"
+                          f"Config keys, their defaults and what they do:\n  --")
+    assert train_gpt2.__doc__.endswith("\n")
     # each key's line, with its description there or on the lines below (a long default)
     entries = re.split(r"^  (?=--)", out.split("what they do:\n")[1], flags=re.M)[1:]
     keys = [re.fullmatch(r'--(\w+)=("(?:[^"\\]|\\.)*"|\S+)\s+(.+)', entry, re.S) for entry in entries]

@@ -63,6 +63,10 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     names = {e.get("name") for e in trace}
     assert {"data", "forward_backward", "forward_backward_sync", "optimizer"} <= names
     assert any("allreduce" in str(n) or "all_reduce" in str(n) for n in names)
+    for name in rows:  # the compiled variants' steps run torch.compile's graphs, the others eager
+        events = json.load(open(tmp_path / "bench" / name / "trace_rank0.json"))["traceEvents"]
+        compiled = any(e.get("name") == "CompiledFunction" for e in events)
+        assert compiled == name.startswith("compile"), name
     # scripts/timeline.py: ddp's collectives are all-reduces, its compute the loop's ranges
     compute, comm = timeline.lanes({"traceEvents": trace}, steps=3)
     assert {kind for kind, _, _ in comm} == {"all_reduce"}

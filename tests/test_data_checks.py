@@ -230,12 +230,15 @@ def test_a_shard_longer_than_one_read_is_scanned_to_its_end(tmp_path):
     assert document_starts(shard, 9).tolist() == [3, (1 << 24) + 4]
 
 
-def test_a_token_id_cache_that_cannot_be_written_is_skipped(tmp_path):
-    """The cache only saves the next run a scan: a read-only or full out_dir, or a directory in its
-    place, leaves this run's check as it was."""
+def test_a_token_id_cache_that_cannot_be_written_or_read_is_skipped(tmp_path):
+    """The cache only saves the next run a scan: a read-only or full out_dir, a directory in its
+    place or a file that is not its JSON object leaves this run's check as it was."""
     shard = tmp_path / "t_train.bin"
     write_shard(shard, [3, 9, 4])
     (tmp_path / "ids.json").mkdir()
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
+    (tmp_path / "ids.json").rmdir()
+    (tmp_path / "ids.json").write_text("[]")  # JSON, but not the cache's object: read the shard
     assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
 
 

@@ -85,3 +85,17 @@ def test_cached_sampling_draws_the_uncached_tokens_across_block_size(
 
 def test_cached_sampling_draws_the_uncached_tokens_at_gpt2_124m_shape(one_thread):
     assert_cache_changes_nothing(GPT2_124M, 1, 16, 32)
+
+
+def test_a_model_trained_with_activation_checkpointing_samples_through_its_cache():
+    """Checkpointing recomputes activations for a backward; sampling, with no backward, runs the
+    blocks with their KV cache and draws what the same weights draw without checkpointing."""
+    torch.manual_seed(0)
+    plain = GPT(Config(**SMALL)).eval()
+    checkpointed = GPT(Config(**SMALL, activation_checkpointing=True)).eval()
+    checkpointed.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, SMALL["vocab_size"], (2, 5))
+    with torch.no_grad():
+        drawn = [cached_generate(model, idx, 20, torch.Generator().manual_seed(0), 1.0, 50)[0]
+                 for model in (plain, checkpointed)]
+    assert torch.equal(*drawn)

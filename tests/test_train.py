@@ -70,6 +70,16 @@ def test_config_errors_say_what_to_fix(argv, message):
         load_config(argv)
 
 
+def test_every_count_size_rate_and_interval_refuses_a_negative_value():
+    """Each numeric key but the seed is a count, size, rate, probability or interval: a negative one is
+    refused in one line naming it, before any work, not met mid-run."""
+    numeric = [f.name for f in dataclasses.fields(Config) if f.type in (int, float) and f.name != "seed"]
+    assert "sample_tokens" in numeric and "collective_timeout_s" in numeric
+    for key in numeric:
+        with pytest.raises(UserError, match=f"^config key '{key}' must be "):
+            load_config([f"--{key}=-1"])
+
+
 def test_min_lr_equal_to_max_lr_is_a_constant_schedule():
     """min_lr may equal max_lr (only above it is refused): after warmup every step's lr is max_lr."""
     config = load_config(["--max_lr=1e-3", "--min_lr=1e-3", "--warmup_steps=2", "--max_steps=10"])
@@ -435,6 +445,8 @@ def test_loader_state_dict_resumes_position(tmp_path):
                                         "micro-batches of 5\\*16 tokens: resume with the "
                                         "checkpoint's seq_len and total_batch_size"):
         loader(tmp_path, B=5).load_state_dict(a.state_dict())  # 192 tokens read
+    with pytest.raises(UserError, match="micro-batches of 2\\*20 tokens"):  # B divides 192, B*T does not
+        loader(tmp_path, B=2, T=20).load_state_dict(a.state_dict())
 
 
 

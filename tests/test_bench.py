@@ -79,6 +79,8 @@ def test_bench_prints_a_row_per_variant_with_the_time_split(tmp_path):
     (["--variants", ":--compile=false"], "variant name '' is not a plain directory name"),
     (["--variants", "../../x:--compile=false"], "variant name '../../x' is not a plain directory name"),
     (["--variants", "eager", "eager"], "variant 'eager' is listed twice"),
+    (["--variants", "eagr"], f"unknown variant 'eagr'; known: eager, compile, compile_ddp, "
+                             f"{', '.join(list(bench.VARIANTS)[3:])}, or write name:--key=value,..."),
     (["--micro_batch_sizes", "1", "0"], "--micro_batch_sizes must be >= 1, not 0"),
     (["--variants", "eager", "mine:--compile=false"], "mine exists and was not made by bench.py"),
 ])

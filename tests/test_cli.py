@@ -164,7 +164,21 @@ def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, 
     assert (tmp_path / "world_size_1" / "log.jsonl").exists()
 
 
-def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tmp_path, monkeypatch):
+def test_a_python_that_cannot_run_or_import_torch_is_refused_before_any_run(tmp_path, monkeypatch):
+    from scripts import check_equivalence
+    monkeypatch.setattr(check_equivalence, "compare", lambda *args: pytest.fail("a run started"))
+    missing = tmp_path / "missing" / "python"
+    with pytest.raises(UserError, match=f"^cannot run --python {missing}: No such file or directory$"):
+        check_equivalence.main(["--world_sizes", "1", "--python", str(missing), f"--out_dir={tmp_path}"])
+    broken = tmp_path / "python"  # its last line of stderr says why
+    broken.write_text("#!/bin/sh\necho Traceback >&2\necho 'ModuleNotFoundError: torch' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(UserError, match=f"^{broken} cannot import torch \\(ModuleNotFoundError: torch\\): "
+                                        f"install torch and requirements.txt into it$"):
+        check_equivalence.main(["--world_sizes", "1", "2", "--python", str(broken), f"--out_dir={tmp_path}"])
+
+
+def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tmp_path, monkeypatch, capsys):
     """With --python, a gradient norm that differs by more than --tolerance (relative) exits 1
     though every loss is equal, also where only the first of two world sizes differs; within the
     tolerance it exits 0. The runs are made-up results."""
@@ -180,7 +194,13 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     monkeypatch.setattr(check_equivalence, "torch_version", lambda python: "0.0")
     argv = ["--world_sizes", "1", "--python", "other", f"--out_dir={tmp_path}"]
     assert check_equivalence.main([*argv, "--tolerance=1e-4"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "torch 0.0, world size 1: max |diff| of loss 0.00e+00, grad norm 2.00e-03, val loss 0.00e+00, "
+        "weights 0.00e+00",
+        f"largest relative loss or grad norm difference to torch {torch.__version__}: 1.00e-03, OVER the "
+        f"tolerance 1e-04"]
     assert check_equivalence.main([*argv, "--tolerance=1e-2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(": 1.00e-03, within the tolerance 1e-02")
     assert check_equivalence.main(["--world_sizes", "1", "2", *argv[2:], "--tolerance=1e-4"]) == 1
 
 

@@ -206,17 +206,21 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     # rerunning a finished run says so, trains nothing and succeeds
     log_before = (tmp_path / "log.jsonl").read_text()
     out = run_training(args).stdout
-    assert "is complete: step 6 of max_steps=6. Raise --max_steps to train on" in out
+    assert (f"the run in {tmp_path} is complete: step 6 of max_steps=6. Raise --max_steps to train on, "
+            "or start over with --resume=never --overwrite=true or another --out_dir\n") in out
     assert (tmp_path / "log.jsonl").read_text() == log_before
 
     # a checkpoint of another model is refused, with both sides of each difference, before the
     # optimizer's parameter groups (which the extra layer changes too) are compared
     extra = args[len(TINY):]
-    assert "is of another model: n_layer=2 in the checkpoint, 3 in this run" in train_error(
-        *extra, "--n_layer=3", "--max_steps=8")
+    assert (f"is of another model: n_layer=2 in the checkpoint, 3 in this run; to train this model, start "
+            f"a new run with --out_dir=NEW_DIR, or start over in {tmp_path} with --resume=never "
+            "--overwrite=true (deletes its checkpoints)\n") in train_error(*extra, "--n_layer=3", "--max_steps=8")
 
     # resume=never refuses to overwrite checkpoints unless told to
-    assert "--overwrite=true to start over" in train_error(*extra, "--resume=never")
+    assert train_error(*extra, "--resume=never") == (
+        f"train_gpt2.py: error: {tmp_path} has checkpoints and resume=never would overwrite them; pass "
+        f"--resume=auto to continue, --overwrite=true to start over, or another --out_dir\n")
     run_training([*args, "--resume=never", "--overwrite=true", "--max_steps=2"])
     assert [p.name for p in sorted(tmp_path.glob("ckpt_*"))] == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
     assert [s["step"] for s in read_log(tmp_path)[0]] == [1, 2]
@@ -587,6 +591,18 @@ def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpo
         "--max_lr=1e30")
 
 
+def test_a_state_with_one_non_finite_value_is_not_saved_and_the_error_says_why(tmp_path):
+    """One NaN among finite weights is enough to refuse the save, so no diverged checkpoint is resumed from."""
+    path = checkpoints.path_of(tmp_path, 3)
+    state = {"model": {"w": torch.tensor([1.0, float("nan")])}, "optimizer": {}, "config": {}, "step": 3,
+             "loader": {}}
+    with pytest.raises(UserError, match=rf"^the weights or optimizer state hold non-finite values at step 3, so "
+                                        rf"{path} was not saved and the last checkpoint is kept: the run "
+                                        rf"diverged; lower --max_lr or --grad_clip and resume$"):
+        checkpoints.save(path, state)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_name(tmp_path):
     """A damaged checkpoint goes to the first of .damaged, .damaged2, .damaged3 ... not taken, so
     none set aside before is overwritten; the one before it is resumed from."""
@@ -608,7 +624,9 @@ def test_when_no_checkpoint_loads_the_error_gives_the_oldest_ones_reason_and_ren
     torch.save({"model": {}}, checkpoints.path_of(tmp_path, 1))
     checkpoints.path_of(tmp_path, 2).write_bytes(b"not a checkpoint")
     oldest = "not a train_gpt2.py checkpoint: no optimizer, config, step, loader, sha256"
-    with pytest.raises(UserError, match=rf"^no checkpoint in .* can be loaded \(the oldest: {oldest}\); "):
+    with pytest.raises(UserError, match=rf"^no checkpoint in {tmp_path} can be loaded \(the oldest: {oldest}\); "
+                                        rf"pass --resume=never --overwrite=true to start over, or another "
+                                        rf"--out_dir$"):
         checkpoints.newest_loadable(tmp_path, lambda line: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
 
@@ -700,7 +718,8 @@ def test_a_resume_names_the_schedule_it_changes_and_a_warmup_past_max_steps_is_w
     before, after = (get_lr(4, load_config(a)) for a in ([*SMALL, "--max_steps=4"], args))
     assert (f"the schedule changes from the checkpoint's: max_steps 4 -> 8, warmup_steps 2 -> 8; "
             f"the lr of step 5 is {after:.4e}, not {before:.4e}\n") in proc.stdout
-    assert "warning: warmup_steps=8 is not below max_steps=8, so the lr never decays" in proc.stdout
+    assert ("warning: warmup_steps=8 is not below max_steps=8, so the lr never decays; lower "
+            "--warmup_steps\n") in proc.stdout
     assert [s["lr"] for s in read_log(out)[0]][4] == pytest.approx(after)
 
 
@@ -862,7 +881,7 @@ def test_a_checkpoint_of_an_older_format_is_refused_and_init_from_keeps_its_weig
     new = tmp_path / "new"
     stdout = run_training([*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={new}",
                            f"--init_from={out}", "--max_steps=1", "--max_lr=0", "--min_lr=0"]).stdout
-    assert f"init_from {out}: 2 layers" in stdout
+    assert f"init_from {out}: 2 layers, n_embd 32\n" in stdout
     old = torch.load(out / "ckpt_0000004.pt", weights_only=True)["model"]
     assert all(torch.equal(v, old[k]) for k, v in checkpoints.load(new / "ckpt_0000001.pt")["model"].items())
 

@@ -169,6 +169,25 @@ def test_a_candidate_longer_than_block_size_keeps_its_ending_and_cuts_the_contex
         assert mask[row].tolist() == [0] * (block_size - len(end)) + [1] * len(end)
 
 
+def test_a_download_without_every_example_is_refused_and_leaves_no_file(tmp_path, monkeypatch):
+    """A cut-short download would score a subset and report it as HellaSwag's validation accuracy."""
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"ctx": "a"}\n' * 3)
+    monkeypatch.setattr(hellaswag, "URL", short.as_uri())
+    target = tmp_path / "hellaswag" / "hellaswag_val.jsonl"
+    with pytest.raises(UserError) as excinfo:
+        hellaswag.download(target)
+    assert str(excinfo.value) == (f"{short.as_uri()} gave 3 lines, not the {hellaswag.VAL_EXAMPLES} examples "
+                                  f"of HellaSwag's validation split: try again, or download it by hand to "
+                                  f"{target}")
+    assert not target.exists()
+
+
+def test_the_summary_line_names_each_accuracy_and_the_example_count():
+    result = {"hellaswag_acc_norm": 0.25, "hellaswag_acc": 0.5, "hellaswag_examples": 4}
+    assert hellaswag.summary(result) == "hellaswag acc_norm 0.2500 | acc 0.5000 | 4 examples"
+
+
 def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # refused
     target = tmp_path / "hellaswag" / "hellaswag_val.jsonl"

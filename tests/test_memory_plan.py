@@ -260,8 +260,17 @@ def test_script_plans_the_configs_activation_checkpointing_and_world_size(capsys
     memory_plan_main([*argv, "--world_size", "4", "--gpu_memory", "40"])
     config = load_config(argv)
     parts = memory_plan.plan(config, 4, memory_counts(config))
-    planned = capsys.readouterr().out.splitlines()[2].split()[2:]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("; 4 ranks, bfloat16, micro_batch_size 4, seq_len 256")
+    planned = lines[2].split()[2:]
     assert [float(v) for v in planned] == [round(v / memory_plan.GB, 2) for v in parts.values()]
+    # what fits is sized to --gpu_memory, with and without checkpointing
+    assert lines[4].startswith("largest micro_batch_size in 40 GB (90% usable)")
+    fits = [memory_plan.max_micro_batch(
+        dataclasses.replace(config, sharding="zero2", activation_checkpointing=ckpt), 4,
+        memory_counts(dataclasses.replace(config, activation_checkpointing=ckpt)), 40 * memory_plan.GB)
+        for ckpt in (False, True)]
+    assert lines[-2].split() == ["zero2", *map(str, fits)]
 
 
 @pytest.mark.parametrize("option, value, rule", [
@@ -303,6 +312,19 @@ def test_a_model_whose_state_exceeds_the_available_memory_is_refused(monkeypatch
             "shard it over more ranks (--sharding=fsdp)")
     monkeypatch.setattr(memory_plan, "available_bytes", lambda d: None)
     assert memory_plan.checked_summary(config, 1, torch.device("mps"), counts)
+
+
+def test_the_summary_of_a_plan_under_a_gb_gives_each_part_in_mb():
+    """Under a GB the console line's parts are MB of 2**20 bytes, each the plan's, then the config."""
+    counts = {"params": 10**6, "param_bytes": 4 * 10**6, "optimizer_bytes": 8 * 10**6, "matmul": 9 * 10**5,
+              "root": 10**5, "block": 4 * 10**5, "activations": 3 * 10**6}  # made up: the plan's inputs
+    parts = memory_plan.plan(SMALL, 1, counts)
+    assert parts["total"] < memory_plan.GB
+    line = memory_plan.checked_summary(SMALL, 1, torch.device("cpu"), counts)
+    sizes, config = line.removeprefix("memory plan per rank: ").split(" (")
+    assert [size.rsplit(" ", 2) for size in sizes.split(", ")] == \
+        [[part, f"{size / 2**20:.2f}", "MB"] for part, size in parts.items()]
+    assert config == "micro_batch_size 4, ddp, float32, activation checkpointing off)"
 
 
 def test_train_refuses_a_model_larger_than_this_machine_before_building_it(tmp_path):

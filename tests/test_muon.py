@@ -237,7 +237,11 @@ def test_the_other_optimizer_is_refused_and_init_from_takes_the_weights(muon_run
     with pytest.raises(UserError) as refused:
         run_training([*args, f"--out_dir={old}"])
     message = refused.value.args[0].strip().splitlines()[-1]
-    assert "trained with optimizer=muon" in message and f"--init_from={old}" in message
+    ckpt = sorted(old.glob("ckpt_*.pt"))[-1]
+    groups = [len(g["params"]) for g in torch.load(ckpt, weights_only=True)["optimizer"]["param_groups"]]
+    assert message == (f"checkpoint {ckpt} was trained with optimizer=muon and parameter groups of {groups} "
+                       "tensors, which this run's optimizer cannot continue: keep its optimizer, or start a "
+                       f"new run from its weights with --out_dir=NEW_DIR --init_from={old}")
     run_training([*args, f"--out_dir={tmp_path}", f"--init_from={old}", "--max_steps=1"])
     first_val_loss = read_log(tmp_path)[1][0]["val_loss"]
     assert abs(first_val_loss - muon_runs["ddp"][0][1]["val_loss"][-1]) < 0.2 < 6.24 - first_val_loss

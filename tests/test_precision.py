@@ -12,6 +12,7 @@ float16's runs overflow in steps 2 to 5, in one rank's part of the gradient (tes
 import contextlib
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -203,8 +204,10 @@ def test_auto_picks_bfloat16_from_compute_capability_8_and_float16_before(monkey
     assert line == f"dtype {picked}: dtype=auto: {name} (compute capability {capability[0]}." \
                    f"{capability[1]}) {why}"
     if capability < (8, 0):
-        with pytest.raises(UserError, match=f"^--dtype=bfloat16: {name} .* has no bfloat16 tensor "
-                                            f"cores .*; pass --dtype=float16"):
+        gpu = re.escape(f"{name} (compute capability {capability[0]}.{capability[1]})")
+        with pytest.raises(UserError, match=f"^--dtype=bfloat16: {gpu} has no bfloat16 tensor cores "
+                                            rf"\(8\.0 and later do\); pass --dtype=float16, which scales "
+                                            f"the loss, or --dtype=auto$"):
             precision.resolve(load_config(["--dtype=bfloat16"]), torch.device("cuda"))
     else:  # the major version decides: 8.0's minor of 0 is no reason to refuse
         config, line = precision.resolve(load_config(["--dtype=bfloat16"]), torch.device("cuda"))
@@ -226,12 +229,14 @@ def test_a_dtype_this_torch_cannot_run_is_one_line(monkeypatch):
         raise RuntimeError("_amp_foreach_non_finite_check_and_unscale_ not implemented\nstack")
 
     monkeypatch.setattr(torch.amp, "GradScaler", unsupported)
-    with pytest.raises(UserError, match=r"^--dtype=float16 does not run on cpu with torch .* "
+    version = re.escape(torch.__version__)
+    with pytest.raises(UserError, match=rf"^--dtype=float16 does not run on cpu with torch {version} "
                                         r"\(_amp_foreach_non_finite_check_and_unscale_ not implemented\): "
                                         r"pass --dtype=float32$"):
         precision.check_runs("float16", torch.device("cpu"))
     monkeypatch.setattr(precision, "autocast", lambda dtype, device: torch.autocast("cpu", enabled=False))
-    with pytest.raises(UserError, match="autocast gave torch.float32"):
+    with pytest.raises(UserError, match=rf"^--dtype=bfloat16 does not run on cpu with torch {version} "
+                                        r"\(autocast gave torch.float32\): pass --dtype=float32$"):
         precision.check_runs("bfloat16", torch.device("cpu"))
 
 

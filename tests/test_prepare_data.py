@@ -366,7 +366,8 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     assert len(names(out_dir)) > 3
     with pytest.raises(UserError) as exc:
         run(*common)
-    assert "--overwrite" in str(exc.value)
+    assert str(exc.value) == (f"{out_dir} already has .bin files, made from other input or options; pass "
+                              f"--overwrite to replace its a_*.bin shards, or pick another --output_dir")
     (out_dir / ".partial").mkdir()
     (out_dir / ".partial" / "a_train_000009.bin").write_bytes(b"left by a killed run")
     run(*common, "--overwrite")
@@ -579,12 +580,14 @@ def test_unmatched_glob_and_bad_extensions_are_errors(tmp_path):
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "b.jsonl").write_text('{"text": "b"}\n')
     (tmp_path / "c.csv").write_text("text\nc\n")
-    for inputs, needle in [([tmp_path / "nope*.txt"], "nope*.txt"),
-                           ([tmp_path / "a.txt", tmp_path / "b.jsonl"], "one extension"),
-                           ([tmp_path / "c.csv"], ".csv")]:
+    for inputs, message in [([tmp_path / "nope*.txt"], f"no files match '{tmp_path}/nope*.txt'"),
+                            ([tmp_path / "a.txt", tmp_path / "b.jsonl"],
+                             "all --input files must have one extension, got .jsonl, .txt"),
+                            ([tmp_path / "c.csv"],
+                             "unsupported file extension .csv; supported: .txt, .jsonl, .json, .parquet")]:
         with pytest.raises(UserError) as exc:
             run("--input", *inputs, "--output_dir", tmp_path / "out")
-        assert needle in str(exc.value)
+        assert str(exc.value) == message
 
 
 def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
@@ -593,12 +596,13 @@ def test_non_utf8_txt_is_an_error_or_skipped(tmp_path, capsys):
     out_dir = tmp_path / "out"
     with pytest.raises(UserError) as exc:
         run("--input", tmp_path / "*.txt", "--output_dir", out_dir, "--workers", 1)
-    assert str(tmp_path / "bad.txt") in str(exc.value) and "offset 6" in str(exc.value)
+    problem = f"{tmp_path / 'bad.txt'} is not valid UTF-8 (first bad byte at offset 6)"
+    assert str(exc.value) == f"{problem}; fix it, or pass --skip_bad_files to skip it"
     assert not out_dir.exists()
 
     run("--input", tmp_path / "*.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 1,
         "--skip_bad_files")
-    assert "skipping" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"prepare_data.py: warning: skipping {problem}\n")
     assert names(out_dir) == ["bad_train_000001.bin", "bad_val_000000.bin"]
     assert split_stream(out_dir, "train").tolist() == [15496, 995]
 
@@ -655,9 +659,11 @@ def test_a_rerun_makes_missing_or_resized_shards_again(tmp_path, capsys):
         f.write(b"xy")
     capsys.readouterr()
     run(*common)
-    assert capsys.readouterr().out.startswith(f"{out_dir}/a_train_000002.bin, which a_manifest.json "
-                                              f"lists, is missing: making the shards of this input "
-                                              f"again\nwrote 4 shard(s)")
+    assert capsys.readouterr().out == (f"{out_dir}/a_train_000002.bin, which a_manifest.json lists, is "
+                                       f"missing: making the shards of this input again\n"
+                                       f"wrote 4 shard(s) to {out_dir}\n"
+                                       f"  val  :    1 shard(s)               2 tokens\n"
+                                       f"  train:    3 shard(s)               8 tokens\n")
     assert {name: (out_dir / name).read_bytes() for name in names(out_dir)} == made
     check_manifest(out_dir, "a")
     with open(out_dir / "a_train_000003.bin", "ab") as f:
@@ -687,14 +693,26 @@ def test_a_hub_option_without_dataset_is_refused(tmp_path, capsys, option):
 def test_input_without_a_val_split_is_refused(tmp_path, capsys):
     """train_gpt2.py evaluates on the val split and refuses data without one."""
     (tmp_path / "a.txt").write_text("Hello world.")
-    for option in [["--val_fraction", 0], ["--val_tokens", 0]]:
+    for option, rule in [(["--val_fraction", 0], "--val_fraction must be in (0, 1)"),
+                         (["--val_tokens", 0], "--val_tokens must be >= 1")]:
         with pytest.raises(SystemExit):
             run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", *option)
-        assert "training needs a val split" in capsys.readouterr().err
+        assert capsys.readouterr().err.endswith(f"error: {rule}: training needs a val split\n")
     with pytest.raises(UserError, match=r"^--val_fraction 0.1 of the input's 4 tokens is 0 tokens, and "
                                         r"training needs a val split; raise --val_fraction or pass "
                                         r"--val_tokens N$"):
         run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", "--workers", 1)
+    with pytest.raises(UserError, match=r"^the input has only 4 tokens, all of them went to val \(--val_tokens "
+                                        r"10\); no train shard was written$"):
+        run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", "--workers", 1,
+            "--val_tokens", 10)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fewer_than_one_worker_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run("--workers", 0, "--output_dir", tmp_path / "out")
+    assert capsys.readouterr().err.endswith("error: --workers must be >= 1\n")
     assert not (tmp_path / "out").exists()
 
 

@@ -192,8 +192,10 @@ def test_a_top_k_above_the_vocabulary_samples_from_all_of_it(trained, capsys):
     assert texts[0] == texts[1] != texts[2]
 
 
-def test_a_prompt_file_that_is_not_utf8_is_refused(trained, tmp_path):
+def test_a_prompt_file_that_is_missing_or_not_utf8_is_refused(trained, tmp_path):
     path = tmp_path / "prompt.txt"
+    with pytest.raises(UserError, match=f"^cannot read --prompt_file {path}: No such file or directory$"):
+        sample_main([str(trained), "--prompt_file", str(path)])
     path.write_bytes(b"caf\xe9")  # Latin-1
     with pytest.raises(UserError, match=f"--prompt_file {path} is not UTF-8 text \\(byte 3\\): "
                                         f"save it as UTF-8"):
@@ -290,6 +292,14 @@ def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tm
     trace.write_text("[]")
     with pytest.raises(UserError, match=f"^{trace} holds no traceEvents list: not a trace of train_gpt2.py$"):
         timeline.main([str(trace)])
+    trace.write_text("{")  # found in the run's directory, the message names the file
+    with pytest.raises(UserError, match=f"^{trace} is not JSON \\(.+\\): not a trace of "
+                                        f"train_gpt2.py$"):
+        timeline.main([str(tmp_path)])
+    trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "forward", "ts": 0, "dur": 1}]}))
+    with pytest.raises(UserError, match="^no ProfilerStep in the trace: was it written by train_gpt2.py "
+                                        "--profile=true\\?$"):
+        timeline.main([str(trace)])
     step = {"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 10}
     trace.write_text(json.dumps({"traceEvents": [step, 7, {"ph": "X", "name": "forward", "ts": "1"}]}))
     with pytest.raises(UserError, match=f"^{tmp_path} is a directory: pass --out the path of a PNG file$"):
@@ -299,9 +309,9 @@ def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tm
     assert capsys.readouterr().err.endswith(" error: --steps must be >= 1, got 0\n")
 
 
-def test_timeline_draws_the_first_steps_profiled_steps(tmp_path):
+def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, capsys):
     """--steps N draws the ranges of the first N profiled steps, all of them where fewer were profiled,
-    timed from the first step's start."""
+    timed from the first step's start; the script draws each rank's trace beside them by default."""
     events = []
     for step in range(3):  # steps of 100 us holding a forward range each, apart from the step before
         start = 1000 + 200 * step
@@ -310,6 +320,13 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path):
     for steps, starts in ((1, [0.01]), (2, [0.01, 0.21]), (5, [0.01, 0.21, 0.41])):
         compute, _ = timeline.lanes({"traceEvents": events}, steps)
         assert [start for _, start, _ in compute] == pytest.approx(starts), steps
+    for rank in (0, 1):
+        (tmp_path / f"trace_rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+    titles = []
+    monkeypatch.setattr(timeline, "save_png", lambda fig, out: titles.append((fig.axes[0].get_title(), out)))
+    timeline.main([str(tmp_path), "--steps", "2"])
+    assert titles == [("2 rank(s), 2 profiled step(s)", tmp_path / "timeline.png")]
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n"
 
 
 def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):

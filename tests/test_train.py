@@ -61,7 +61,9 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--peak_flops=-1"], "'peak_flops' must be >= 0, got -1.0"),
     (["--max_lr=inf"], "'max_lr' must be a finite number, got 'inf'"),  # it passed >= 0, then diverged
     (["--max_lr=1e-3", "--min_lr=1e-2"], "min_lr=0.01 exceeds max_lr=0.001"),
-    (["--overwrite=true"], "overwrite=true takes effect only with resume=never"),
+    (["--overwrite=true"], "^overwrite=true takes effect only with resume=never: pass --resume=never "
+                           "--overwrite=true to start over, or drop --overwrite to continue$"),
+    (["--seq_len=33", "--block_size=32"], "^seq_len=33 exceeds block_size=32$"),
     (["."], "config file . is a directory, not a TOML file"),
     (["--seed=9223372036854775808"], "config key 'seed': cannot read '9223372036854775808' as int"),  # 2**63
 ])
@@ -102,7 +104,8 @@ def test_a_sample_prompt_token_at_vocab_size_is_refused():
     """The embedding's rows are 0 .. vocab_size - 1: a sample_prompt holding the id vocab_size itself
     ("a" is GPT-2's 64) is refused before any work, and with vocab_size one larger it is taken."""
     config = load_config([*TINY, "--sample_interval=1", "--sample_prompt=a", "--vocab_size=64"])
-    with pytest.raises(UserError, match="sample_prompt 'a' has GPT-2 token id 64, beyond vocab_size=64"):
+    with pytest.raises(UserError, match="^sample_prompt 'a' has GPT-2 token id 64, beyond vocab_size=64: "
+                                        "pick another prompt, or pass --sample_interval=0$"):
         train_gpt2.sample_prompt(config)
     assert train_gpt2.sample_prompt(dataclasses.replace(config, vocab_size=65)) == [64]
 
@@ -593,7 +596,7 @@ def corrupt_magic(path):
 @pytest.mark.parametrize("corrupt, message", [
     (corrupt_empty, "is truncated or empty \\(0 bytes\\)"),
     (corrupt_truncate, "holds 495 tokens but its header says 500"),
-    (corrupt_magic, "bad header \\(magic 12345"),
+    (corrupt_magic, "bad header \\(magic 12345, version 1, expected 20240520, 1\\): not a token shard"),
 ])
 def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
     make_shards(tmp_path, n_train=1000)

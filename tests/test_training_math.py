@@ -182,12 +182,17 @@ def test_a_resume_names_every_lr_key_it_changes(capsys):
 def test_weight_decay_falls_on_2d_weights_alone(optimizer):
     """As GPT-2 and nanoGPT: the embeddings' and matmuls' weights decay; biases and LayerNorm gains
     do not. With Muon the blocks' matrices are Muon's, which decays none, so only the embeddings
-    (GPT-2's wte, tied to lm_head, and wpe) decay. Told by module type, whatever the layout."""
-    config = train_gpt2.load_config([*TINY, f"--optimizer={optimizer}"])
+    (GPT-2's wte, tied to lm_head, and wpe) decay. Told by module type, whatever the layout.
+    AdamW takes the config's weight_decay and betas, in order, and GPT-3's eps."""
+    config = train_gpt2.load_config([*TINY, f"--optimizer={optimizer}", "--weight_decay=0.3",
+                                     "--beta1=0.8", "--beta2=0.99"])
     model = train_gpt2.GPT(config)
     names = {id(p): name for name, p in model.named_parameters()}  # a tied weight has one name
-    decayed = {names[id(p)] for g in model.configure_optimizers(config, "cpu").param_groups
-               if g["weight_decay"] > 0 for p in g["params"]}
+    groups = model.configure_optimizers(config, "cpu").param_groups
+    decayed = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    adamw = [g for g in groups if "betas" in g]
+    assert [(g["betas"], g["eps"]) for g in adamw] == [((0.8, 0.99), 1e-8)] * 2
+    assert sorted(g["weight_decay"] for g in adamw) == [0.0, 0.3]
     matrices = {names[id(m.weight)] for name, m in model.named_modules()
                 if isinstance(m, torch.nn.Embedding) or (isinstance(m, torch.nn.Linear) and (
                     optimizer == "adamw" or not name.startswith("transformer.h.")))}

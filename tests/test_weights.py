@@ -294,6 +294,8 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(hf_tiny, tmp_path):
     ({"n_head": True}, "config.json: n_head is true, a boolean, not a positive integer"),
     ({"vocab_size": 0}, "config.json: vocab_size is 0, not a positive integer"),
     ({"n_head": 3}, "config.json: n_embd 32 is not a multiple of n_head 3"),
+    ({"activation_function": "relu"}, "config.json: activation_function='relu', but train_gpt2.py's "
+                                      "GPT-2 needs \\('gelu_new', 'gelu_pytorch_tanh'\\)"),
 ])
 def test_init_from_a_config_json_that_is_not_gpt2s_is_one_line(hf_tiny, tmp_path, config, message):
     path = hf_dir_with(tmp_path, hf_tiny, config)

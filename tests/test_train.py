@@ -134,12 +134,26 @@ def test_a_device_this_machine_lacks_is_refused_before_any_work(device, message)
         train_gpt2.main([f"--device={device}"])
 
 
-def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process_alone(monkeypatch):
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A made-up machine of two CUDA devices, for the device choice and the process group's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.fixture
+def kept_matmul_precision():
+    """setup_distributed sets the float32 matmul precision for the whole process: put it back."""
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
+def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process_alone(monkeypatch,
+                                                                                     two_gpus):
     """On a machine of two GPUs (made up here) the worker of LOCAL_RANK 1 trains on cuda:1, as all
     ranks on one GPU would run out of its memory; MPS, one device, goes to a plain process alone."""
     from gpt2_ddp.device import choose_device
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for device in ("auto", "cuda"):
         assert choose_device(load_config([f"--device={device}"]), 1, True) == torch.device("cuda:1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -149,11 +163,10 @@ def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process
     assert choose_device(auto, 0, True) == torch.device("cpu")
 
 
-def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(monkeypatch):
+def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(monkeypatch, two_gpus,
+                                                                              kept_matmul_precision):
     """NCCL and CUDA calls that name no device use the current one, which must be the worker's own
     (on a made-up machine of two GPUs, as rank 1 of 2)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     current, joined = [], []
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     monkeypatch.setattr(train_gpt2, "init_process_group",
@@ -163,12 +176,8 @@ def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(mo
     for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    precision = torch.get_float32_matmul_precision()
-    try:
-        config = load_config([*TINY, "--device=cuda"])
-        assert train_gpt2.setup_distributed(config) == (1, 2, torch.device("cuda:1"))
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    config = load_config([*TINY, "--device=cuda"])
+    assert train_gpt2.setup_distributed(config) == (1, 2, torch.device("cuda:1"))
     assert current == [torch.device("cuda:1")] and joined == [("nccl", torch.device("cuda:1"))]
 
 
@@ -275,8 +284,8 @@ def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "train_gpt2.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     # the launch commands of the module's docstring as written, a blank line, then the keys
-    assert out.startswith(f"usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n{train_gpt2.__doc__}\n"
-                          f"Config keys, their defaults and what they do:\n  --")
+    assert out.startswith(f"usage: python train_gpt2.py [CONFIG.toml] [--key=value ...]\n"
+                          f"{train_gpt2.__doc__}\nConfig keys, their defaults and what they do:\n  --")
     assert train_gpt2.__doc__.endswith("\n")
     # each key's line, with its description there or on the lines below (a long default)
     entries = re.split(r"^  (?=--)", out.split("what they do:\n")[1], flags=re.M)[1:]
@@ -774,16 +783,12 @@ def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch, world_size):
         train_gpt2.setup_distributed(load_config([*TINY, "--grad_compression=bf16", "--collective_timeout_s=2"]))
 
 
-def test_bf16_gradient_compression_is_no_error_in_one_plain_process(monkeypatch):
+def test_bf16_gradient_compression_is_no_error_in_one_plain_process(monkeypatch, kept_matmul_precision):
     """One process run by plain python all-reduces nothing, so a GPU config's bf16 runs on the CPU."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    precision = torch.get_float32_matmul_precision()
-    try:
-        config = load_config([*TINY, "--grad_compression=bf16", "--device=cpu"])
-        assert train_gpt2.setup_distributed(config) == (0, 1, torch.device("cpu"))
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    config = load_config([*TINY, "--grad_compression=bf16", "--device=cpu"])
+    assert train_gpt2.setup_distributed(config) == (0, 1, torch.device("cpu"))
 
 
 def test_a_compiled_run_says_that_its_first_step_waits_for_compilation(capsys):

@@ -287,17 +287,27 @@ def hf_tiny(tmp_path_factory):
     return path
 
 
+@contextlib.contextmanager
+def matmul_precision_kept():
+    """The float32 matmul precision put back on exit: main() and setup_distributed set it for the
+    whole process."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def train_here(args):
     """train_gpt2.main(args) in this process on one torch thread, as run_training's process would run
     it, its console captured; the float32 matmul precision that main() sets for the whole process
     restored after. Returns the console (str); raises what main() raises, or AssertionError for a
     non-zero exit code."""
-    precision, console = torch.get_float32_matmul_precision(), io.StringIO()
+    console = io.StringIO()
     try:
-        with one_torch_thread(), contextlib.redirect_stdout(console):
+        with matmul_precision_kept(), one_torch_thread(), contextlib.redirect_stdout(console):
             code = train_gpt2.main(args)
     finally:
-        torch.set_float32_matmul_precision(precision)
         gc.collect()  # the run's objects in reference cycles hold its out_dir lock until collected
     assert code == 0, console.getvalue()
     return console.getvalue()

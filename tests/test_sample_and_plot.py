@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, TINY, ctrl_c_reaches, make_shards
+from conftest import ROOT, TINY, ctrl_c_reaches, make_shards, train_here
 from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
@@ -30,14 +30,8 @@ def trained(tmp_path_factory):
     scripts/sample.py samples from, whatever layout train_gpt2.GPT has."""
     root = tmp_path_factory.mktemp("trained")
     make_shards(root / "data")
-    precision = torch.get_float32_matmul_precision()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert train_gpt2.main([*TINY, "--vocab_size=50257", "--block_size=64", "--total_batch_size=32",
-                                    "--max_steps=1", "--eval_interval=0", f"--data_dir={root / 'data'}",
-                                    f"--out_dir={root / 'out'}"]) == 0
-    finally:
-        torch.set_float32_matmul_precision(precision)  # main() sets it for the whole process
+    train_here([*TINY, "--vocab_size=50257", "--block_size=64", "--total_batch_size=32", "--max_steps=1",
+                "--eval_interval=0", f"--data_dir={root / 'data'}", f"--out_dir={root / 'out'}"])
     return root / "out"
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
-from conftest import ROOT, TINY, make_shards, markov_tokens, read_log, run_training, train_together
+from conftest import (ROOT, TINY, make_shards, markov_tokens, matmul_precision_kept, read_log, run_training,
+                      train_together)
 from gpt2_ddp import metrics
 from gpt2_ddp.device import TORCH_FLOOR
 from gpt2_ddp.gpt2_weights import CONV1D
@@ -144,9 +145,8 @@ def two_gpus(monkeypatch):
 @pytest.fixture
 def kept_matmul_precision():
     """setup_distributed sets the float32 matmul precision for the whole process: put it back."""
-    precision = torch.get_float32_matmul_precision()
-    yield
-    torch.set_float32_matmul_precision(precision)
+    with matmul_precision_kept():
+        yield
 
 
 def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process_alone(monkeypatch,

@@ -204,6 +204,15 @@ def read_log(out_dir):
     return steps, evals
 
 
+def expected_mfu(step, args, tokens_per_step, peak):
+    """The mfu a logged step should hold: the model of args' FLOPs per token of T=16 (flops_per_token,
+    itself checked against torch's FLOP counter) times the step's tokens, over its dt_ms and peak
+    (FLOP/s of all ranks together)."""
+    with torch.device("meta"):
+        flops_per_step = train_gpt2.GPT(train_gpt2.load_config(args)).flops_per_token(16) * tokens_per_step
+    return flops_per_step / (step["dt_ms"] / 1000) / peak
+
+
 def free_port():
     """A TCP port of 127.0.0.1 that the OS found free, for a rendezvous endpoint."""
     with socket.socket() as s:

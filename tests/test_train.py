@@ -186,20 +186,22 @@ def test_the_default_out_dir_is_one_git_ignores():
     assert Config().out_dir == "out" and "/out/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
-def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch):
+def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch,
+                                                                               kept_matmul_precision):
     """A plain process sums in one thread, as torchrun's workers do, so its bits are theirs; a
-    thread count the user set is kept."""
-    from gpt2_ddp.device import make_deterministic
+    thread count the user set is kept, and the default mode keeps every thread."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
     try:
-        for env, expected in ((None, 1), ("2", 2)):
+        for env, exact, expected in ((None, "true", 1), ("2", "true", 2), (None, "false", 2)):
             torch.set_num_threads(2)
             if env is None:
                 monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
             else:
                 monkeypatch.setenv("OMP_NUM_THREADS", env)
-            make_deterministic(torch.device("cpu"))
-            assert torch.get_num_threads() == expected, env
+            train_gpt2.setup_distributed(load_config([*TINY, "--device=cpu", f"--exact_reduction={exact}"]))
+            assert torch.get_num_threads() == expected, (env, exact)
     finally:
         torch.set_num_threads(threads)
 

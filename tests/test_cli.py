@@ -62,6 +62,7 @@ def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, 
         module.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
+    assert out.endswith("\n") and not out.endswith("\n\n"), out[-80:]  # no blank line after the help
     assert not re.findall(r"--[a-z0-9]+-\w+", out), out
     # argparse would refill a description, running example commands into each other
     source = inspect.getsource(module)
@@ -121,6 +122,11 @@ def test_help_lines_write_defaults_as_toml_in_one_column():
   --note=1                         a description long enough to wrap
                                    onto a second line in 72 columns""".strip("\n")
     assert tomllib.loads(r'v = "say \"hi\"\\\t\u007f"')["v"] == Knobs.tricky
+
+
+def test_help_lines_wrap_to_the_terminal_they_are_shown_in(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")  # what shutil.get_terminal_size reads first
+    assert help_lines(Knobs) == help_lines(Knobs, width=58) != help_lines(Knobs, width=80)
 
 
 def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():

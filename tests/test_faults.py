@@ -619,6 +619,25 @@ def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_n
         "set aside before"] * 2
 
 
+def test_a_damaged_checkpoint_that_cannot_be_set_aside_is_named_and_the_one_before_resumed(tmp_path,
+                                                                                          monkeypatch):
+    """A rename refused (a read-only out_dir) is a warning: the run still resumes from the good one."""
+    checkpoints.save(checkpoints.path_of(tmp_path, 1),
+                     {"model": {}, "optimizer": {}, "config": {}, "step": 1, "loader": {}})
+    bad = checkpoints.path_of(tmp_path, 2)
+    bad.write_bytes(b"not a checkpoint")
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refused)
+    warnings = []
+    path, state = checkpoints.newest_loadable(tmp_path, warnings.append)
+    assert path == checkpoints.path_of(tmp_path, 1) and state["step"] == 1
+    assert warnings[-1] == f"warning: cannot rename {bad} (Permission denied): remove it by hand"
+    assert bad.read_bytes() == b"not a checkpoint"
+
+
 def test_when_no_checkpoint_loads_the_error_gives_the_oldest_ones_reason_and_renames_none(tmp_path):
     """The oldest is the last tried, so its reason is the one the run ends on."""
     torch.save({"model": {}}, checkpoints.path_of(tmp_path, 1))

@@ -214,9 +214,12 @@ def test_auto_picks_bfloat16_from_compute_capability_8_and_float16_before(monkey
         assert config.dtype == "bfloat16" and line == "dtype bfloat16: set by dtype=bfloat16"
 
 
-def test_auto_runs_float32_on_the_cpu_and_a_set_dtype_says_so():
+def test_auto_runs_float32_on_the_cpu_and_mps_and_a_set_dtype_says_so(monkeypatch):
     config, line = precision.resolve(load_config([]), torch.device("cpu"))
     assert config.dtype == "float32" and line.startswith("dtype float32: dtype=auto on cpu")
+    monkeypatch.setattr(precision, "check_runs", lambda dtype, device: None)  # no MPS here
+    config, line = precision.resolve(load_config([]), torch.device("mps"))
+    assert config.dtype == "float32" and line.startswith("dtype float32: dtype=auto on mps")
     for dtype in ("bfloat16", "float16", "float32"):
         config, line = precision.resolve(load_config([f"--dtype={dtype}"]), torch.device("cpu"))
         assert config.dtype == dtype and line.endswith(f": set by dtype={dtype}")
@@ -250,5 +253,7 @@ def test_an_overflow_below_a_loss_scale_of_1_is_a_divergence():
     assert precision.overflowed(scaler, 2.0, nan, 0.5) and precision.overflowed(scaler, 2.0, float("inf"), 0.5)
     assert not precision.overflowed(scaler, nan, nan, 0.5) and not precision.overflowed(scaler, 2.0, 1.0, 0.5)
     assert not precision.overflowed(scaler, 2.0, nan, 0.25)
+    error = precision.diverged(8, 3, 2.0, nan, 4, load_config([]))
+    assert "not finite in steps 6-8 (loss 2.0, grad norm nan)" in str(error) and "(step 4)" in str(error)
     off = torch.amp.GradScaler("cpu", enabled=False)
     assert not precision.overflowed(off, 2.0, nan, 1.0) and precision.scale(off, torch.device("cpu")).item() == 1

@@ -189,7 +189,8 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     though every loss is equal, also where only the first of two world sizes differs; within the
     tolerance it exits 0. The runs are made-up results."""
     from scripts import check_equivalence
-    grad_norms = {sys.executable: [1.0, 2.0], "other": [1.0, 2.0 * (1 + 1e-3)]}
+    # the other's norm below ours, where a signed difference would read as none
+    grad_norms = {sys.executable: [1.0, 2.0], "other": [1.0, 2.0 * (1 - 1e-3)]}
 
     def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
         return {n: {"step": [1, 2], "loss": [6.0, 5.0], "val_loss": [5.5], "hellaswag": [],

@@ -139,7 +139,7 @@ def test_shards_get_the_mode_of_a_new_file(tmp_path, umask):
     assert (tmp_path / "x.bin").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-@pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]]])
+@pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]], 5])
 def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
     with pytest.raises(ValueError):
         write_shard(tmp_path / "x.bin", tokens)
@@ -253,7 +253,7 @@ def test_txt_files_are_read_as_datasets_text_builder_reads_them_without_it(tmp_p
 
 
 def write_rows(path, rows):
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or path.name.endswith(".lines.json"):  # a .json may hold JSON lines too
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     elif path.suffix == ".json":  # the other form datasets' json builder reads: one array
         path.write_text(json.dumps(rows, indent=1))
@@ -261,7 +261,7 @@ def write_rows(path, rows):
         pd.DataFrame(rows).to_parquet(path)
 
 
-@pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".lines.json", ".parquet"])
 def test_rows_are_documents_with_text_field(tmp_path, ext):
     texts = [f"Row number {i} says hello, world." for i in range(50)] + ["", "last one"]
     write_rows(tmp_path / f"rows{ext}", [{"id": i, "content": t} for i, t in enumerate(texts)])

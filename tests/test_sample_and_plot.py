@@ -392,15 +392,17 @@ def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, 
 
 def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
     """A run whose loss falls from 11 to 6 in its first steps and then to 5: the axis shows 5 to 6,
-    not 11, and the first steps' curve runs off its top. The smoothed curve is the mean of the last 4
-    steps (a 50th of the run), of fewer over the first 3."""
+    not 11, and the first steps' curve runs off its top; the learning rate's axis keeps its own range.
+    The smoothed curve is the mean of the last 4 steps (a 50th of the run), of fewer over the first 3."""
     figures = []
     monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
     losses = [11.0 - i for i in range(5)] + list(np.linspace(6.0, 5.0, 195))
-    plot.plot({"run": [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]},
+    plot.plot({"run": [{"step": i + 1, "loss": loss, "lr": 6e-4} for i, loss in enumerate(losses)]},
               tmp_path / "plot.png")
     low, high = figures[0].axes[0].get_ylim()
     assert 4.8 < low < 5.0 and 6.0 < high < 6.5
+    low, high = figures[0].axes[1].get_ylim()
+    assert figures[0].axes[1].get_title() == "learning rate" and low < 6e-4 < high < 1e-3
     raw, smoothed = figures[0].axes[0].lines
     means = [np.mean(losses[max(0, k - 3):k + 1]) for k in range(200)]
     np.testing.assert_allclose(smoothed.get_ydata(), means, rtol=1e-12)

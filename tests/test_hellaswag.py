@@ -101,6 +101,8 @@ def test_standalone_script_scores_a_model(gpt_tiny, examples_file):
     (lambda text: text.replace('roof. He", "label": 3', 'roof. He", "label": 4'),  # one past the last
      "line 7 is not a HellaSwag example"),
     (lambda text: text.replace('"ctx"', '"context"', 1), "line 1 is not a HellaSwag example"),
+    (lambda text: text.replace('"ctx": "A man is sitting on a roof. He"', '"ctx": null'),
+     "line 7 is not a HellaSwag example"),
     (lambda text: text.replace('"endings": [', '"endings": ["one more", ', 1),
      "line 1 is not a HellaSwag example \\(ctx: str, endings: 4 str, label: 0-3\\)"),
     (lambda text: text.replace("roof", "r\udce9of"), "line 7 is not complete JSON"),  # Latin-1 é

@@ -3,6 +3,7 @@ activation checkpointing against runs without it (in test_sharding.py's and test
 runs), and the GPT-2 size configs kept runnable."""
 
 import dataclasses
+import gc
 import io
 import itertools
 import json
@@ -64,6 +65,12 @@ def test_plan_matches_what_a_cpu_step_holds(checkpointing, optimizer, dtype):
     measured = measure(config)
     for part in ("parameters", "gradients", "optimizer state"):
         assert measured[part] == planned[part], part
+
+
+def test_planning_leaves_the_garbage_collector_on():
+    """The activations' trace turns the collector off for itself alone; training needs it on."""
+    memory_counts(SMALL)
+    assert gc.isenabled()
 
 
 def test_zero2_and_fsdp_plan_a_world_sizes_share_of_the_optimizer_state():

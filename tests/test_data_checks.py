@@ -210,12 +210,15 @@ def test_advice_to_rerun_is_in_the_form_the_user_launched(monkeypatch):
 
 def test_a_token_id_equal_to_vocab_size_is_refused(tmp_path):
     """The embedding's rows are 0 .. vocab_size - 1: a shard whose largest id is vocab_size itself
-    is refused, one whose largest is vocab_size - 1 is not."""
+    is refused, one whose largest is vocab_size - 1 is not, down to a shard of 0s and vocab_size 1."""
     shard = tmp_path / "t_train.bin"
     write_shard(shard, [1, 2, 600])
     with pytest.raises(UserError, match="holds token id 600, beyond vocab_size=600"):
         check_token_ids([shard], 600, tmp_path / "a.json", 0, 1, lambda values: values)
     check_token_ids([shard], 601, tmp_path / "b.json", 0, 1, lambda values: values)
+    zeros = tmp_path / "z_train.bin"
+    write_shard(zeros, [0, 0])
+    check_token_ids([zeros], 1, tmp_path / "c.json", 0, 1, lambda values: values)
 
 
 def test_a_shard_longer_than_one_read_is_scanned_to_its_end(tmp_path):
@@ -242,14 +245,24 @@ def test_a_token_id_cache_that_cannot_be_written_or_read_is_skipped(tmp_path):
     assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
 
 
-def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path):
+def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path, monkeypatch):
     """max_token_ids at world size 2: shard i is scanned by rank i % 2 alone (-1 on the other), and
-    the element-wise maximum of the two ranks' lists is every shard's largest token id."""
+    the element-wise maximum of the two ranks' lists is every shard's largest token id. Rank 0
+    alone may show the scan's progress bar, as one bar per rank would interleave."""
+    from gpt2_ddp import shards
     make_shards(tmp_path, train_shards=3)
     paths = sorted(tmp_path.glob("*.bin"))
+    shown, bar = [], shards.tqdm
+
+    def recorded_bar(*args, **kwargs):
+        shown.append(not kwargs["disable"])
+        return bar(*args, **kwargs)
+
+    monkeypatch.setattr(shards, "tqdm", recorded_bar)
     sent = {}
     for rank in (1, 0):
         max_token_ids(paths, tmp_path / f"cache{rank}.json", rank, 2,
                       lambda values, rank=rank: sent.setdefault(rank, values))
     assert [[i for i, v in enumerate(sent[r]) if v >= 0] for r in (0, 1)] == [[0, 2], [1, 3]]
     assert [max(a, b) for a, b in zip(sent[0], sent[1])] == [int(read_tokens(p).max()) for p in paths]
+    assert shown == [False, True]  # ranks 1, then 0

@@ -146,6 +146,17 @@ def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
     assert names(tmp_path) == []
 
 
+def test_a_shard_holds_max_shard_tokens_tokens_and_no_more(tmp_path, monkeypatch):
+    """The header's int32 count caps a shard; the cap is lowered here so that the shards stay tiny."""
+    from gpt2_ddp import shards
+    monkeypatch.setattr(shards, "MAX_SHARD_TOKENS", 3)
+    write_shard(tmp_path / "x.bin", [1, 2, 3])
+    assert read_shard(tmp_path / "x.bin").tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="at most 3 tokens, got 4"):
+        write_shard(tmp_path / "y.bin", [1, 2, 3, 4])
+    assert names(tmp_path) == ["x.bin"]
+
+
 # ---------------------------------------------------------------------------- the embedded corpus
 
 

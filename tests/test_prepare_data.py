@@ -1,6 +1,7 @@
 """Tests of prepare_data.py: the offline GPT-2 tokenizer, the .bin shard format and the pipeline."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -190,6 +191,10 @@ def test_manifest_lists_every_shard(default_run):
     assert [shard["max_token_id"] for shard in manifest["shards"]] == [EOT_TOKEN, EOT_TOKEN]
     assert manifest["max_token_id"] == EOT_TOKEN
     assert set(manifest) == {"inputs", "options", "shards", "max_token_id"}
+    # the defaults the help names, as the manifest records them
+    assert manifest["options"] == {"name": None, "text_field": "text", "sample_by": "paragraph",
+                                   "shard_size": int(1e8), "val_tokens": None, "val_fraction": 0.1,
+                                   "skip_bad_files": False}
 
 
 def test_same_input_gives_identical_bytes(default_run, tmp_path):
@@ -220,6 +225,9 @@ def test_long_documents_are_tokenized_in_parts_with_the_same_tokens(monkeypatch)
         tokens = np.concatenate([t for t, _ in batches]).tolist()
         assert tokens == doc_tokens(text, "a short one")
         assert sum(n for _, n in batches) == len(text.encode("utf-8")) + len("a short one")
+    whole = "x" * 100  # exactly PART_CHARS characters: one part, though it has nowhere to cut
+    sources = [("mem", lambda: iter([("doc", {"text": whole})]))]
+    assert list(prepare_data._parts(sources, "text")) == [(whole, True)]
 
 
 # ---------------------------------------------------------------------------- local inputs
@@ -287,9 +295,11 @@ def test_rows_are_documents_with_text_field(tmp_path, ext):
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
-def test_missing_text_field_is_an_error(tmp_path, ext):
+def test_missing_text_field_is_an_error(tmp_path, ext, monkeypatch):
     path = tmp_path / f"rows{ext}"
     write_rows(path, [{"body": "hello", "id": 1}])
+    # a first row without the text is refused before the counting pass reads the whole input
+    monkeypatch.setattr(prepare_data, "_tokenized", lambda *a: pytest.fail("tokenized first"))
     with pytest.raises(UserError) as exc:
         run("--input", path, "--output_dir", tmp_path / "out", "--workers", 1)
     message = str(exc.value)
@@ -486,7 +496,8 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     out_dir = tmp_path / "out"
     common = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1]
     run(*common)  # its pass that counts tokens shows progress against the input's size
-    assert "counting tokens: 100%" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "counting tokens: 100%" in err and "writing shards: 100%" in err
     before = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
     assert "a_manifest.json" in before
     run(*common)  # as the README's quickstart line, run twice
@@ -535,6 +546,22 @@ def test_parquet_row_without_text_is_named_by_row(tmp_path):
     write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
     with pytest.raises(UserError, match="rows.parquet row 2's 'text' is null, not a string;"):
         run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
+
+
+def test_a_parquet_file_that_does_not_parse_is_named_in_one_line(tmp_path):
+    """datasets' own log of the failure, on stderr, would repeat the error's line before it."""
+    import datasets
+    datasets.logging.set_verbosity_warning()  # its default, which an earlier run in this process changed
+    logged, handler = [], logging.Handler()
+    handler.emit = logged.append
+    datasets.logging.get_logger().addHandler(handler)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    try:
+        with pytest.raises(UserError, match=f"^cannot read {tmp_path / 'bad.parquet'}: "):
+            run("--input", tmp_path / "bad.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
+    finally:
+        datasets.logging.get_logger().removeHandler(handler)
+    assert [record.getMessage() for record in logged] == []
 
 
 def test_row_without_text_ends_the_command_in_one_line(tmp_path):
@@ -746,6 +773,17 @@ def test_an_input_that_is_not_a_file_or_is_matched_twice_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_input_that_cannot_be_opened_is_named_before_anything_is_read(tmp_path, monkeypatch):
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+
+    def refuse(path, *args, **kwargs):  # as open() of a file without read permission (root ignores chmod)
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(prepare_data, "open", refuse, raising=False)
+    with pytest.raises(UserError, match=f"^cannot read input {tmp_path}/a.jsonl: Permission denied$"):
+        run("--input", tmp_path / "a.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_hub_dataset_out_of_reach_is_one_line(tmp_path):
     """What an offline machine gets from scripts/prepare_fineweb_edu.sh (HF_HUB_OFFLINE makes the
     hub's refusal immediate instead of after its retries)."""
@@ -764,12 +802,14 @@ def test_an_unreachable_hub_is_one_line_after_its_retries(tmp_path):
             f"sys.argv = ['prepare_data.py', '--dataset', 'HuggingFaceFW/fineweb-edu', '--output_dir', "
             f"{str(tmp_path / 'out')!r}]; "
             "runpy.run_path('prepare_data.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout a pipe, buffered
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
-    assert proc.stdout == "opening HuggingFaceFW/fineweb-edu on the Hugging Face hub\n"
-    assert re.fullmatch(r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: [^\n]+\n",
-                        proc.stderr), proc.stderr
+    # one pipe for both, as a log is: the "opening" line is out before the retries, not at exit
+    assert re.fullmatch(r"opening HuggingFaceFW/fineweb-edu on the Hugging Face hub\n"
+                        r"prepare_data.py: error: cannot read HuggingFaceFW/fineweb-edu: [^\n]+\n",
+                        proc.stdout), proc.stdout
 
 
 # ---------------------------------------------------------------------------- runs stopped or at once

@@ -357,6 +357,20 @@ def test_the_first_step_after_a_resume_logs_the_optimizer_state_bytes():
     assert "optimizer_state_bytes" in records[0] and "optimizer_state_bytes" not in records[1]
 
 
+def test_a_profiled_run_that_ends_inside_the_profilers_schedule_still_writes_its_trace(tmp_path):
+    """A run of 4 steps ends before the profiler's last active step (6): close() writes the steps it
+    recorded, each a ProfilerStep range as scripts/timeline.py reads them."""
+    config = load_config([*TINY, f"--out_dir={tmp_path}", "--profile=true", "--max_steps=4"])
+    model = GPT(config)
+    metrics = train_gpt2.Metrics(None, config, 0, 1, torch.device("cpu"), model, 0)
+    optimizer = model.configure_optimizers(config, "cpu")
+    for step in range(1, 5):
+        metrics.train_step(step, 6.0, 1e-3, 1.0, time.time() - 0.1, optimizer, None, False, False)
+    metrics.close()
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
+
+
 def test_a_forks_extra_metrics_reach_every_sink_in_the_steps_one_host_read(tmp_path, tiny_data, monkeypatch,
                                                                            one_thread):
     """A fork (a z-loss added to GPT's loss) puts its value in `extra_metrics` from its forward,

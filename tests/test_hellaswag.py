@@ -75,9 +75,10 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
         correct_norm += min(range(4), key=means.__getitem__) == example["label"]
         correct += min(range(4), key=sums.__getitem__) == example["label"]
     rendered = hellaswag.render_all(examples, config.block_size, config.vocab_size)
-    result = hellaswag.evaluate(model, rendered, torch.device("cpu"))
+    result = hellaswag.evaluate(model.train(), rendered, torch.device("cpu"))
     assert result == {"hellaswag_acc_norm": correct_norm / 8, "hellaswag_acc": correct / 8,
                       "hellaswag_examples": 8}
+    assert not any(m.training for m in model.modules())  # scored without dropout, left in eval mode
 
 
 def test_standalone_script_scores_a_model(gpt_tiny, examples_file):

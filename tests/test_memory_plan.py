@@ -115,6 +115,25 @@ def test_the_cpus_available_memory_counts_free_swap(monkeypatch):
         3072000000, "this machine has 2.9 GB available (memory and swap)")
 
 
+def test_a_first_trace_longer_than_the_second_is_traced_again(monkeypatch):
+    """One-time work that only the first pass in a process records (torch's lazy setup) must not
+    reach the activations: that pass is traced again, and gives what later passes give."""
+    config = dataclasses.replace(SMALL, n_layer=1)
+    expected = memory_plan.activation_bytes(lambda: GPT(config), config)
+    traced = []
+
+    class FirstPassDoesMore(memory_plan.LiveBytes):
+        def __exit__(self, *exc):
+            if not traced:  # the one-time work: a storage made and kept
+                self.trace.append(self.trace[-1] + 4096)
+            traced.append(self)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(memory_plan, "LiveBytes", FirstPassDoesMore)
+    assert memory_plan.activation_bytes(lambda: GPT(config), config) == expected > 0
+    assert len(traced) == 3
+
+
 def profiled_bytes_per_sequence(config):
     """Bytes per sequence of seq_len tokens that one real forward and backward of GPT(config) on the
     CPU, under config.dtype's autocast, allocates at its peak beyond what does not grow with the

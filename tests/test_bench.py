@@ -133,11 +133,13 @@ def test_sigterm_to_bench_ends_its_training_processes(tmp_path):
 
 def test_bench_times_only_the_steps_after_warm_up_and_profiling(tmp_path, monkeypatch):
     """The first UNTIMED_STEPS steps (compilation, warm-up, the profiler's) are left out of the medians."""
-    records = [{"step": step, "loss": 5.0, "dt_ms": float(step), "tokens_per_sec": 1000.0 / step,
-                "optimizer_state_bytes": 2**20} for step in range(1, bench.UNTIMED_STEPS + 4)]
+    records = [{"step": step, "loss": 5.0, "dt_ms": float(step), "tokens_per_sec": 1000.0 / step}
+               for step in range(1, bench.UNTIMED_STEPS + 4)]
+    records[0]["optimizer_state_bytes"] = 2**20  # train_gpt2.py logs it once, with the first step
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
     monkeypatch.setattr(bench, "time_split", lambda events: {})
     monkeypatch.setattr(bench, "comm_bytes", lambda events: 0)
     summary = bench.summarize(records, tmp_path / "trace.json")
     assert summary["ms_per_step"] == bench.UNTIMED_STEPS + 2  # the median of the 3 timed steps
     assert summary["tokens_per_sec"] == 1000.0 / (bench.UNTIMED_STEPS + 2)
+    assert summary["optimizer_state_mb"] == 1.0

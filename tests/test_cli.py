@@ -193,9 +193,9 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     grad_norms = {sys.executable: [1.0, 2.0], "other": [1.0, 2.0 * (1 - 1e-3)]}
 
     def compare(train_args, world_sizes, out_root, python=sys.executable, label=""):
-        return {n: {"step": [1, 2], "loss": [6.0, 5.0], "val_loss": [5.5], "hellaswag": [],
+        return {n: {"step": [1, 2], "loss": [6.0, 5.0 - 0.25 * (n - 1)], "val_loss": [5.5], "hellaswag": [],
                     "grad_norm": grad_norms[python if n == 1 else sys.executable],  # world size 1's alone
-                    "model": {"w": torch.zeros(2)}, "max_param_diff": 0.0} for n in world_sizes}
+                    "model": {"w": torch.zeros(2)}, "max_param_diff": 0.5 * (n - 1)} for n in world_sizes}
 
     monkeypatch.setattr(check_equivalence, "compare", compare)
     monkeypatch.setattr(check_equivalence, "torch_version", lambda python: "0.0")
@@ -209,6 +209,20 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     assert check_equivalence.main([*argv, "--tolerance=1e-2"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(": 1.00e-03, within the tolerance 1e-02")
     assert check_equivalence.main(["--world_sizes", "1", "2", *argv[2:], "--tolerance=1e-4"]) == 1
+    # the world sizes' table: each step's |diff| to world size 1, then each quantity's largest
+    assert capsys.readouterr().out.splitlines()[:7] == [
+        " step |    loss (world size 1) |    |diff| world size 2",
+        "    1 |            6.000000000 |              0.000e+00",
+        "    2 |            5.000000000 |              2.500e-01",
+        "max |diff| of loss    : world size 2: 2.500e-01",
+        "max |diff| of val_loss: world size 2: 0.000e+00",
+        "max |diff| of weights : world size 2: 5.000e-01",
+        "the differences are float rounding: each world size sums the micro-batches' gradients in another "
+        "order, and training amplifies the last-bit differences over steps; --exact_reduction=true sums in "
+        "float64 and makes the runs bitwise identical"]
+    # the weights' difference is the largest of any tensor's, in either direction
+    zeros = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    assert check_equivalence.max_diff({"a": torch.zeros(2), "b": torch.tensor([1.0, -3.0])}, zeros) == 3.0
 
 
 def test_world_size_1_runs_as_plain_python_and_more_under_torchrun():

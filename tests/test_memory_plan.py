@@ -269,8 +269,8 @@ def test_sharding_and_checkpointing_fit_larger_micro_batches():
 
 def test_script_prints_the_plan_and_what_fits():
     proc = subprocess.run([sys.executable, "-m", "scripts.memory_plan", "configs/gpt2_124m.toml",
-                           "--world_size", "8", "--gpu_memory", "80"], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+                           "--gpu_memory", "80"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)  # 8 ranks by default, as on one 8-GPU node
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("12 layers, n_embd 768: 124M parameters; 8 ranks, bfloat16")
     assert lines[1].split()[-1] == "total" and lines[2].startswith("planned GB")

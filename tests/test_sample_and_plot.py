@@ -54,10 +54,17 @@ def test_the_same_seed_gives_the_same_text(trained):
 
 def test_streamed_text_is_the_prompt_then_the_decoded_tokens(trained):
     model = GPT.from_pretrained(trained)
-    out = io.StringIO()
+    flushed = []  # what a reader of a pipe has seen at each flush
+
+    class Out(io.StringIO):
+        def flush(self):
+            flushed.append(self.getvalue())
+
+    out = Out()
     tokens = draw(model, 4, out)
     expected = "Hello, I'm" + gpt2_encoding().decode_bytes(tokens).decode("utf-8", errors="replace")
     assert out.getvalue() == expected + "\n"
+    assert len(flushed) == len(tokens) and flushed[0].startswith("Hello, I'm")  # one a token
 
 
 def test_the_script_prints_what_the_function_draws(trained):
@@ -319,14 +326,30 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, ca
     titles = []
     monkeypatch.setattr(timeline, "save_png", lambda fig, out: titles.append((fig.axes[0].get_title(), out)))
     timeline.main([str(tmp_path), "--steps", "2"])
-    assert titles == [("2 rank(s), 2 profiled step(s)", tmp_path / "timeline.png")]
-    assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n"
+    timeline.main([str(tmp_path)])  # one step by default
+    assert titles == [("2 rank(s), 2 profiled step(s)", tmp_path / "timeline.png"),
+                      ("2 rank(s), 1 profiled step(s)", tmp_path / "timeline.png")]
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n" * 2
 
 
-def test_hellaswag_path_of_a_directory_is_one_line(tmp_path):
+def test_hellaswag_path_of_a_directory_is_one_line_and_only_a_missing_one_is_downloaded(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=f"^--path {tmp_path} is a directory: pass the validation "
                                         f"jsonl's path$"):
         hellaswag.main(["gpt2", "--path", str(tmp_path), "--device", "cpu"])
+    downloads = []
+
+    def download(path):  # offline here: record where it would go
+        downloads.append(path)
+        raise UserError("offline")
+
+    monkeypatch.setattr(hellaswag.hellaswag, "download", download)
+    path = tmp_path / "val.jsonl"
+    with pytest.raises(UserError, match="^offline$"):
+        hellaswag.main(["gpt2", "--path", str(path), "--device", "cpu"])
+    path.write_text("")  # there: read, not downloaded again
+    with pytest.raises(UserError, match="holds no examples"):
+        hellaswag.main(["gpt2", "--path", str(path), "--device", "cpu"])
+    assert downloads == [str(path)]
 
 
 def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_beside_data_only(
@@ -341,6 +364,9 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     assert titles[0] == ["loss", "learning rate", "tokens/s", "gradient norm"]
     assert titles[1] == ["loss", "HellaSwag acc_norm", "learning rate", "tokens/s", "gradient norm"]
     assert len(figures[1].axes[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
+    assert figures[0].axes[0].get_shared_x_axes().joined(figures[0].axes[0], figures[0].axes[3])
+    plot.plot({"run": [{**steps[0], "mfu": 0.4}]}, tmp_path / "plot.png")  # MFU is drawn in percent
+    assert figures[2].axes[3].get_title() == "MFU (%)" and list(figures[2].axes[3].lines[0].get_ydata()) == [40.0]
 
 
 def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path, monkeypatch):
@@ -361,16 +387,19 @@ def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path
     assert list(z_loss.get_xdata()) == [2, 3] and list(z_loss.get_ydata()) == [42.0, 43.0]
 
 
-def test_logs_in_directories_of_one_name_are_each_drawn_under_a_label_of_their_own(tmp_path, monkeypatch):
-    """Three out_dirs all named `run` (in other parents) are three runs: run, run' and run''."""
-    figures = []
-    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig))
+def test_logs_in_directories_of_one_name_are_each_drawn_under_a_label_of_their_own(tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Three out_dirs all named `run` (in other parents) are three runs: run, run' and run'', drawn
+    by default into plot.png beside the first."""
+    figures, outs = [], []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig) or outs.append(out))
     logs = []
     for i, parent in enumerate("abc"):
         (tmp_path / parent).mkdir()
         logs.append(write_log(tmp_path / parent / "run", [{"step": 1, "val_loss": 3.0 - i}]))
     plot.main([str(log) for log in logs])
     assert [line.get_label() for line in figures[0].axes[0].lines] == ["run val", "run' val", "run'' val"]
+    assert outs == [logs[0] / "plot.png"] and capsys.readouterr().out == f"wrote {logs[0] / 'plot.png'}\n"
 
 
 def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):

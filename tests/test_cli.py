@@ -223,6 +223,8 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     # the weights' difference is the largest of any tensor's, in either direction
     zeros = {"a": torch.zeros(2), "b": torch.zeros(2)}
     assert check_equivalence.max_diff({"a": torch.zeros(2), "b": torch.tensor([1.0, -3.0])}, zeros) == 3.0
+    grad_norms["other"] = [1.0, 1.5]  # 0.5 / 2.0: a difference of exactly the tolerance is within it
+    assert check_equivalence.main([*argv, "--tolerance=0.25"]) == 0
 
 
 def test_world_size_1_runs_as_plain_python_and_more_under_torchrun():

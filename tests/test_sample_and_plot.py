@@ -67,6 +67,17 @@ def test_streamed_text_is_the_prompt_then_the_decoded_tokens(trained):
     assert len(flushed) == len(tokens) and flushed[0].startswith("Hello, I'm")  # one a token
 
 
+def test_a_sample_that_ends_inside_a_character_ends_with_its_replacement_character(trained, monkeypatch):
+    """A byte-level token can be the first byte of a character whose rest is never drawn: the
+    decoder's held byte is written as U+FFFD, as bytes.decode(errors="replace") writes it."""
+    model, enc = GPT.from_pretrained(trained), gpt2_encoding()
+    drawn = [enc.encode_single_token(b"A"), enc.encode_single_token(b"\xe2")]
+    monkeypatch.setattr(model, "generate", lambda *args: (torch.tensor(t) for t in drawn))
+    out = io.StringIO()
+    assert sample(model, enc, "", 2, 1.0, None, None, out) == drawn
+    assert out.getvalue() == "A\ufffd\n"
+
+
 def test_the_script_prints_what_the_function_draws(trained):
     proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(trained), "--prompt", "Hello, I'm",
                            "--max_new_tokens", "24", "--num_samples", "2", "--seed", "7"],

@@ -803,8 +803,8 @@ def test_an_unreachable_hub_is_one_line_after_its_retries(tmp_path):
             f"{str(tmp_path / 'out')!r}]; "
             "runpy.run_path('prepare_data.py', run_name='__main__')")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout a pipe, buffered
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=dict(env, HF_ENDPOINT="http://127.0.0.1:9"))
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     # one pipe for both, as a log is: the "opening" line is out before the retries, not at exit
     assert re.fullmatch(r"opening HuggingFaceFW/fineweb-edu on the Hugging Face hub\n"

@@ -343,7 +343,8 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, ca
     assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n" * 2
 
 
-def test_hellaswag_path_of_a_directory_is_one_line_and_only_a_missing_one_is_downloaded(tmp_path, monkeypatch):
+def test_hellaswag_path_of_a_directory_is_one_line_and_only_a_missing_one_is_downloaded(tmp_path,
+                                                                                        monkeypatch):
     with pytest.raises(UserError, match=f"^--path {tmp_path} is a directory: pass the validation "
                                         f"jsonl's path$"):
         hellaswag.main(["gpt2", "--path", str(tmp_path), "--device", "cpu"])
@@ -377,7 +378,8 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     assert len(figures[1].axes[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
     assert figures[0].axes[0].get_shared_x_axes().joined(figures[0].axes[0], figures[0].axes[3])
     plot.plot({"run": [{**steps[0], "mfu": 0.4}]}, tmp_path / "plot.png")  # MFU is drawn in percent
-    assert figures[2].axes[3].get_title() == "MFU (%)" and list(figures[2].axes[3].lines[0].get_ydata()) == [40.0]
+    mfu = figures[2].axes[3]
+    assert mfu.get_title() == "MFU (%)" and list(mfu.lines[0].get_ydata()) == [40.0]
 
 
 def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path, monkeypatch):

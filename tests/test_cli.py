@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -124,9 +125,20 @@ def test_help_lines_write_defaults_as_toml_in_one_column():
     assert tomllib.loads(r'v = "say \"hi\"\\\t\u007f"')["v"] == Knobs.tricky
 
 
-def test_help_lines_wrap_to_the_terminal_they_are_shown_in(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "60")  # what shutil.get_terminal_size reads first
-    assert help_lines(Knobs) == help_lines(Knobs, width=58) != help_lines(Knobs, width=80)
+@dataclasses.dataclass
+class Forty:
+    key_whose_help_line_reaches_column: int = 1  # its line, 40 characters to the "=1", sets the column
+    accented: str = "café"  # written as it reads, not escaped
+
+
+def test_help_lines_fill_the_terminal_less_2_and_a_key_of_40_characters_sets_the_column(monkeypatch):
+    """Without a width, the lines fill the terminal less 2; a key's line of 40 characters sets the
+    column."""
+    monkeypatch.setattr(configurator.shutil, "get_terminal_size", lambda: os.terminal_size((75, 24)))
+    assert max(map(len, help_lines(Knobs))) == 73  # two descriptions fill 73 columns exactly
+    assert help_lines(Forty, width=200) == [
+        "  --key_whose_help_line_reaches_column=1  its line, 40 characters to the \"=1\", sets the column",
+        '  --accented="café"'.ljust(42) + "written as it reads, not escaped"]
 
 
 def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
@@ -265,6 +277,13 @@ def test_a_command_runs_in_the_repository_root_from_any_working_directory(tmp_pa
     assert (code, stdout) == (0, f"{ROOT}\n")
 
 
+def test_a_streamed_command_leaves_the_stop_signal_handlers_as_it_found_them():
+    """A script's Ctrl-C after its runs must not stop a command that has ended."""
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    assert runs.stream(["true"], lambda *a: None) == (0, "", "")
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
+
+
 def test_a_command_streamed_from_a_worker_thread_runs_with_no_signal_handlers():
     """Only the main thread may set signal handlers, so a script's thread that launches runs (a
     sweep over configs, say) leaves stop signals to the main thread."""
@@ -273,6 +292,34 @@ def test_a_command_streamed_from_a_worker_thread_runs_with_no_signal_handlers():
     worker.start()
     worker.join(60)
     assert result == [(0, "hi\n", "")]
+
+
+def test_a_torchrun_worker_but_local_rank_0_waits_to_be_stopped_after_an_error(monkeypatch):
+    """One error line a node: LOCAL_RANK 0 exits with it, the node's other workers wait to be stopped."""
+    waits = []
+    monkeypatch.setattr(configurator.time, "sleep", waits.append)
+    monkeypatch.setattr(configurator.signal, "signal", lambda *args: None)  # pytest's SIGTERM kept
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+
+    def main(argv):
+        raise UserError("bad")
+
+    for local_rank, expected in (("1", [configurator.RANK_ERROR_WAIT_S]), ("0", [])):
+        waits.clear()
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exit_:
+            configurator.run(main, "x.py")
+        assert (exit_.value.code, waits) == ("x.py: error: bad", expected), local_rank
+
+
+def test_a_short_text_into_a_closed_pipe_is_flushed_at_once_and_exits_0():
+    """Text shorter than the buffer, left unflushed, would meet the closed pipe at exit, as a traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w", buffering=1 << 16) as file, pytest.raises(SystemExit) as exit_:
+        configurator.print_quietly("usage: short", file)
+    assert exit_.value.code == 0
 
 
 @pytest.mark.parametrize("argv", [["train_gpt2.py", "-h"], ["-m", "scripts.bench", "--help"]])

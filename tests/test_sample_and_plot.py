@@ -282,6 +282,9 @@ def test_a_torn_line_in_a_log_is_skipped_with_a_warning(tmp_path, capsys):
     assert [r["step"] for r in runs.read_log(log)] == [1]
     assert capsys.readouterr().err == (f"warning: {log}: skipped 12 lines that are not a JSON object "
                                        f"(lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...)\n")
+    log.write_text("[]\n" * 10 + f"{lines[0]}\n")  # ten named are all of them: no "..."
+    runs.read_log(log)
+    assert capsys.readouterr().err.endswith("(lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)\n")
     log.write_text(f"{lines[0]}\n{lines[1][:20]}")
     assert [r["step"] for r in runs.read_log(log)] == [1] and capsys.readouterr().err == ""
     log.write_text("")

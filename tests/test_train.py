@@ -163,6 +163,23 @@ def test_each_torchrun_worker_gets_the_gpu_of_its_local_rank_and_mps_one_process
     assert choose_device(auto, 0, True) == torch.device("cpu")
 
 
+def test_a_gpu_beyond_the_machines_is_refused_naming_those_it_has(two_gpus):
+    from gpt2_ddp.device import named_device
+    with pytest.raises(UserError, match=r"^--device=cuda:2: torch sees 2 CUDA device\(s\) here; pass "
+                                        r"--device=cpu or cuda:0 to cuda:1$"):
+        named_device("cuda:2")
+
+
+def test_exact_reduction_on_a_gpu_turns_on_deterministic_kernels_and_cublas_fixed_workspace(monkeypatch):
+    """A branch the CPU never takes: checked with torch's switch recorded rather than set."""
+    from gpt2_ddp.device import make_deterministic
+    switched = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, **kw: switched.append((on, kw)))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    make_deterministic(torch.device("cuda:0"))
+    assert switched == [(True, {"warn_only": True})] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
 def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(monkeypatch, two_gpus,
                                                                               kept_matmul_precision):
     """NCCL and CUDA calls that name no device use the current one, which must be the worker's own

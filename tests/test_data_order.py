@@ -173,7 +173,8 @@ def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_p
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
                                                                                       monkeypatch):
     """The .docs.npy index beside a shard is read instead of the shard while the shard's size and
-    mtime are those it records, and made again for new shards or a same-size rewrite in place."""
+    mtime are those it records, and made again for new shards, a same-size rewrite in place, or a
+    file in its place that is not an index."""
     from gpt2_ddp import shards
     write_documents(tmp_path)
     first = shuffled(tmp_path)
@@ -197,6 +198,8 @@ def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_s
     stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
     loader = shuffled(tmp_path)
     assert all(stream[s] == EOT_TOKEN for s in loader.rows.starts(0, len(loader.rows)))
+    (tmp_path / ".docs_train_000001.bin.docs.npy").write_bytes(b"not an index")  # np.load: ValueError
+    np.testing.assert_array_equal(shuffled(tmp_path).rows.rows, loader.rows.rows)
 
 
 def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_path):

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from transformers import GPT2LMHeadModel
 
 from conftest import ROOT, write_hellaswag
-from gpt2_ddp import hellaswag
+from gpt2_ddp import hellaswag, precision
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
 from scripts.hellaswag import main as hellaswag_main
@@ -74,6 +74,12 @@ def test_scores_equal_an_independent_scorer(hf_tiny, examples_file):
         assert int(mean.argmin()) == min(range(4), key=means.__getitem__)
         correct_norm += min(range(4), key=means.__getitem__) == example["label"]
         correct += min(range(4), key=sums.__getitem__) == example["label"]
+    # a bfloat16 run scores under its autocast: near float32's scores, not the same bits
+    autocast = precision.autocast("bfloat16", torch.device("cpu"))
+    bf16 = hellaswag.ending_losses(model, tokens, mask, autocast)
+    for got, float32 in zip(bf16, hellaswag.ending_losses(model, tokens, mask)):
+        assert not torch.equal(got, float32)
+        torch.testing.assert_close(got, float32, rtol=5e-2, atol=0)
     rendered = hellaswag.render_all(examples, config.block_size, config.vocab_size)
     result = hellaswag.evaluate(model.train(), rendered, torch.device("cpu"))
     assert result == {"hellaswag_acc_norm": correct_norm / 8, "hellaswag_acc": correct / 8,
@@ -177,7 +183,7 @@ def test_a_download_without_every_example_is_refused_and_leaves_no_file(tmp_path
     short = tmp_path / "short.jsonl"
     short.write_text('{"ctx": "a"}\n' * 3)
     monkeypatch.setattr(hellaswag, "URL", short.as_uri())
-    target = tmp_path / "hellaswag" / "hellaswag_val.jsonl"
+    target = tmp_path / "data" / "hellaswag" / "hellaswag_val.jsonl"  # a fresh clone has no data/ yet
     with pytest.raises(UserError) as excinfo:
         hellaswag.download(target)
     assert str(excinfo.value) == (f"{short.as_uri()} gave 3 lines, not the {hellaswag.VAL_EXAMPLES} examples "

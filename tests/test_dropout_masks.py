@@ -99,3 +99,12 @@ def test_every_step_and_micro_batch_of_a_long_run_gets_its_own_seed():
     """Past 10 the digits of a step and a micro-batch run together, as in (1, 11) and (11, 1)."""
     seeds = {train_gpt2.derived_seed(1337, step, m) for step in range(12) for m in range(12)}
     assert len(seeds) == 12 * 12
+
+
+def test_attention_drops_out_its_weights_in_training_and_not_in_eval():
+    """SDPA's attention dropout is no nn.Dropout, so the masks recorded above cannot show that it is on."""
+    torch.manual_seed(0)
+    attn = train_gpt2.CausalSelfAttention(train_gpt2.load_config([*TINY, "--dropout=0.5"]))
+    attn.resid_dropout.p = 0.0  # only the attention weights' dropout is left
+    x = torch.randn(2, 16, 32)
+    assert not torch.allclose(attn.train()(x), attn.eval()(x), atol=1e-3)

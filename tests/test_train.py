@@ -59,6 +59,7 @@ def test_overrides_cast_to_field_types(tmp_path):
     (["--dtype=fp8"], "'dtype' must be auto, bfloat16, float16 or float32, got 'fp8'"),
     (["--max_steps=1e30"], "cannot read '1e30' as int"),  # beyond int64: OverflowError mid-run
     (["--collective_timeout_s=1e14"], "'collective_timeout_s' must be > 0 and <= 1e8"),
+    (["--collective_timeout_s=0"], "'collective_timeout_s' must be > 0 and <= 1e8 \\(3 years\\), got 0$"),
     (["--peak_flops=-1"], "'peak_flops' must be >= 0, got -1.0"),
     (["--max_lr=inf"], "'max_lr' must be a finite number, got 'inf'"),  # it passed >= 0, then diverged
     (["--max_lr=1e-3", "--min_lr=1e-2"], "min_lr=0.01 exceeds max_lr=0.001"),

@@ -380,6 +380,7 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     assert titles[1] == ["loss", "HellaSwag acc_norm", "learning rate", "tokens/s", "gradient norm"]
     assert len(figures[1].axes[1].lines) == 3  # the run's and GPT-2's and GPT-3's references
     assert figures[0].axes[0].get_shared_x_axes().joined(figures[0].axes[0], figures[0].axes[3])
+    assert all(ax.yaxis.get_gridlines()[0].get_visible() for ax in figures[0].axes)  # each panel gridded
     plot.plot({"run": [{**steps[0], "mfu": 0.4}]}, tmp_path / "plot.png")  # MFU is drawn in percent
     mfu = figures[2].axes[3]
     assert mfu.get_title() == "MFU (%)" and list(mfu.lines[0].get_ydata()) == [40.0]

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY, make_shards
+from gpt2_ddp import metrics
 from gpt2_ddp.configurator import UserError
 from scripts import bench, timeline
 from train_gpt2 import GPT, load_config
@@ -129,6 +131,25 @@ def test_sigterm_to_bench_ends_its_training_processes(tmp_path):
     assert proc.wait(timeout=90) == 128 + signal.SIGTERM
     assert "bench.py: stopped by SIGTERM; ending the command it runs\n" in rest
     assert training_processes(str(out)) == []
+
+
+def test_bench_leaves_out_exactly_the_steps_the_profiler_records(tmp_path, monkeypatch):
+    """UNTIMED_STEPS ends with the last step train_gpt2.py's profiler records, PROFILED_STEPS of them."""
+    made = {}
+
+    class Recorded:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(torch.profiler, "profile", Recorded)
+    metrics.start_profiler(load_config([*TINY, "--profile=true", f"--out_dir={tmp_path}"]), 0)
+    action = torch.profiler.ProfilerAction
+    recorded = [step for step in range(1, 20)  # the schedule counts updates from 0
+                if made["schedule"](step - 1) in (action.RECORD, action.RECORD_AND_SAVE)]
+    assert recorded == list(range(bench.UNTIMED_STEPS - bench.PROFILED_STEPS + 1, bench.UNTIMED_STEPS + 1))
 
 
 def test_bench_times_only_the_steps_after_warm_up_and_profiling(tmp_path, monkeypatch):

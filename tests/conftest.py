@@ -116,6 +116,13 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def plain_process(monkeypatch):
+    """This process as `python train_gpt2.py` runs it: none of torchrun's variables set."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def recording(events, what, function):
     """`function`, appending `what` to the list `events` at each call."""
     def record(*args, **kwargs):

@@ -408,15 +408,16 @@ def test_logs_in_directories_of_one_name_are_each_drawn_under_a_label_of_their_o
                                                                                   capsys):
     """Three out_dirs all named `run` (in other parents) are three runs: run, run' and run'', drawn
     by default into plot.png beside the first."""
-    figures, outs = [], []
-    monkeypatch.setattr(plot, "save_png", lambda fig, out: figures.append(fig) or outs.append(out))
+    saved = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, out: saved.append((fig, out)))
     logs = []
     for i, parent in enumerate("abc"):
         (tmp_path / parent).mkdir()
         logs.append(write_log(tmp_path / parent / "run", [{"step": 1, "val_loss": 3.0 - i}]))
     plot.main([str(log) for log in logs])
-    assert [line.get_label() for line in figures[0].axes[0].lines] == ["run val", "run' val", "run'' val"]
-    assert outs == [logs[0] / "plot.png"] and capsys.readouterr().out == f"wrote {logs[0] / 'plot.png'}\n"
+    [(figure, out)] = saved
+    assert [line.get_label() for line in figure.axes[0].lines] == ["run val", "run' val", "run'' val"]
+    assert out == logs[0] / "plot.png" and capsys.readouterr().out == f"wrote {out}\n"
 
 
 def test_a_skipped_step_or_a_log_of_val_losses_alone_keeps_its_curves(tmp_path, monkeypatch):

@@ -204,12 +204,10 @@ def test_the_default_out_dir_is_one_git_ignores():
     assert Config().out_dir == "out" and "/out/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
-def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch,
+def test_exact_reduction_on_the_cpu_runs_one_thread_unless_omp_num_threads_says(monkeypatch, plain_process,
                                                                                kept_matmul_precision):
     """A plain process sums in one thread, as torchrun's workers do, so its bits are theirs; a
     thread count the user set is kept, and the default mode keeps every thread."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
     try:
         for env, exact, expected in ((None, "true", 1), ("2", "true", 2), (None, "false", 2)):
@@ -799,10 +797,8 @@ def test_bf16_gradient_compression_is_refused_on_gloo(monkeypatch, world_size):
         train_gpt2.setup_distributed(load_config([*TINY, "--grad_compression=bf16", "--collective_timeout_s=2"]))
 
 
-def test_bf16_gradient_compression_is_no_error_in_one_plain_process(monkeypatch, kept_matmul_precision):
+def test_bf16_gradient_compression_is_no_error_in_one_plain_process(plain_process, kept_matmul_precision):
     """One process run by plain python all-reduces nothing, so a GPU config's bf16 runs on the CPU."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     config = load_config([*TINY, "--grad_compression=bf16", "--device=cpu"])
     assert train_gpt2.setup_distributed(config) == (0, 1, torch.device("cpu"))
 

@@ -219,3 +219,15 @@ def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_pa
         s = loader.rows.starts(g, 1)[0]
         x, y = loader.next_batch()
         assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()
+
+
+def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_path):
+    """A shard whose only document starts fewer than T + 1 tokens before its end: the shuffled order
+    has nothing to read and names the order that does."""
+    tail_doc = np.concatenate([np.arange(3 * T), [EOT_TOKEN], np.arange(T - 1)])
+    write_shard(tmp_path / "docs_val_000000.bin", tail_doc)
+    write_shard(tmp_path / "docs_train_000001.bin", tail_doc)
+    with pytest.raises(UserError, match=f"^the train split in {tmp_path} holds no row of seq_len\\+1 = "
+                                        f"{T + 1} tokens that starts at an <\\|endoftext\\|> \\(a document "
+                                        f"start\\): pass --data_order=sequential$"):
+        shuffled(tmp_path)

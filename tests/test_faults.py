@@ -1040,6 +1040,15 @@ def test_overwrite_that_cannot_delete_an_old_checkpoint_refuses_before_training(
     assert {p.name: p.read_bytes() for p in out.glob("ckpt_*")} == before
 
 
+def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_not_the_runs_end(tmp_path, capsys):
+    stuck = tmp_path / "ckpt_0000001.pt"
+    stuck.mkdir()
+    checkpoints.remove(stuck)
+    checkpoints.remove(tmp_path / "ckpt_0000002.pt")  # already gone: nothing to say
+    assert capsys.readouterr().out == f"warning: cannot delete {stuck}: Is a directory\n"
+    assert stuck.is_dir()
+
+
 def test_a_full_disk_leaves_no_torn_line_in_the_log(tmp_path, capsys):
     """An append cut short by a full disk (here: a file-size limit, EFBIG, as ENOSPC) is cut off
     again with a warning; the next append after space is freed starts on its own line."""

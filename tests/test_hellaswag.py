@@ -3,6 +3,7 @@ tokenization loop), and the data file's errors. W=1 against W=2 and 4: test_equi
 log HellaSwag, compared there with ==."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -146,6 +147,15 @@ def test_a_label_written_as_a_digit_string_is_read_as_its_number(tmp_path):
     path.write_text("".join(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": label}) + "\n"
                             for label in ("2", 2)))
     assert [example["label"] for example in hellaswag.load_examples(path)] == [2, 2]
+
+
+def test_blank_lines_are_skipped_and_a_missing_file_names_where_it_comes_from(tmp_path):
+    path = tmp_path / "val.jsonl"
+    with pytest.raises(UserError, match=f"^HellaSwag file {path} not found \\(it is downloaded from "
+                                        f"{re.escape(hellaswag.URL)} when missing\\)$"):
+        hellaswag.load_examples(path)
+    path.write_text("\n" + json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1}) + "\n \n")
+    assert [example["label"] for example in hellaswag.load_examples(path)] == [1]
 
 
 def test_a_model_with_a_smaller_vocabulary_is_refused(examples_file):

@@ -523,6 +523,7 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
      "bad.jsonl line 3 has no field 'text'; its fields are body, id; choose the text with "
      "--text_field$"),
     ('{"text": "a"}\n{"text": null, "id": 2}\n', "bad.jsonl line 2's 'text' is null, not a string"),
+    ('{"text": "a"}\n{"text": true}\n', "bad.jsonl line 2's 'text' is the boolean true, not a string"),
     ('{"text": "a"}\n{}\n', "bad.jsonl line 2 has no field 'text'; it has no fields;"),
     ('{"text": "a"}\n\n[{"text": "b"}]\n',
      "bad.jsonl line 3 is an array, not an object with a 'text' string; fix or remove it$"),
@@ -545,6 +546,9 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, content, message):
 def test_parquet_row_without_text_is_named_by_row(tmp_path):
     write_rows(tmp_path / "rows.parquet", [{"text": "a", "id": 1}, {"id": 2}])
     with pytest.raises(UserError, match="rows.parquet row 2's 'text' is null, not a string;"):
+        run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
+    write_rows(tmp_path / "rows.parquet", [{"text": b"a"}])  # a type JSON lacks, named with its value
+    with pytest.raises(UserError, match="rows.parquet row 1's 'text' is a bytes \\(\"b'a'\"\\), not a string;"):
         run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
 
 

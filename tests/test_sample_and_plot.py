@@ -290,6 +290,12 @@ def test_a_torn_line_in_a_log_is_skipped_with_a_warning(tmp_path, capsys):
     log.write_text("")
     with pytest.raises(UserError, match=f"^{log} holds no line that is a JSON object"):
         runs.read_log(log)
+    log.write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(UserError, match=f"^{log} is not text: not a log.jsonl\\?$"):
+        runs.read_log(log)
+    log.unlink()
+    with pytest.raises(UserError, match=f"^cannot read {log}: No such file or directory$"):
+        runs.read_log(tmp_path)
 
 
 def test_check_equivalence_of_one_world_size_is_refused_before_any_run(tmp_path):
@@ -304,6 +310,8 @@ def test_check_equivalence_of_one_world_size_is_refused_before_any_run(tmp_path)
 
 def test_timeline_of_a_file_that_is_not_a_trace_or_to_a_directory_is_one_line(tmp_path, capsys):
     trace = tmp_path / "trace_rank0.json"
+    with pytest.raises(UserError, match=f"^cannot read {trace}: No such file or directory$"):
+        timeline.main([str(trace)])
     trace.write_text("[]")
     with pytest.raises(UserError, match=f"^{trace} holds no traceEvents list: not a trace of train_gpt2.py$"):
         timeline.main([str(trace)])
@@ -384,6 +392,8 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     plot.plot({"run": [{**steps[0], "mfu": 0.4}]}, tmp_path / "plot.png")  # MFU is drawn in percent
     mfu = figures[2].axes[3]
     assert mfu.get_title() == "MFU (%)" and list(mfu.lines[0].get_ydata()) == [40.0]
+    plot.plot({"run": [{"step": 1, "lr": 1e-3}]}, tmp_path / "plot.png")  # the loss panel stays, empty
+    assert [text.get_text() for text in figures[3].axes[0].texts] == ["no loss in these logs"]
 
 
 def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path, monkeypatch):

@@ -620,10 +620,17 @@ def corrupt_magic(path):
     path.write_bytes(bytes(data))
 
 
+def corrupt_count(path):
+    data = bytearray(path.read_bytes())
+    data[8:12] = np.int32(-3).tobytes()
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (corrupt_empty, "is truncated or empty \\(0 bytes\\)"),
     (corrupt_truncate, "holds 495 tokens but its header says 500"),
     (corrupt_magic, "bad header \\(magic 12345, version 1, expected 20240520, 1\\): not a token shard"),
+    (corrupt_count, "has a negative token count in its header \\(-3\\): corrupt"),
 ])
 def test_corrupt_shard_names_the_file_and_the_fix(tmp_path, corrupt, message):
     make_shards(tmp_path, n_train=1000)

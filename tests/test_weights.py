@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,6 +311,9 @@ def test_init_from_a_config_json_that_is_not_gpt2s_is_one_line(hf_tiny, tmp_path
      "{path}/model.safetensors: wte.weight is torch.int64, not floating point: not GPT-2 weights"),
     ({"transformer.wpe.weight": torch.full((64, 32), float("nan"))},
      "{path}/model.safetensors: wpe.weight holds NaN or infinite values: the weights are damaged"),
+    (None, "cannot read {path}/model.safetensors \\(SafetensorError: .*\\); download it again"),
+    ({"lm_head.weight": torch.zeros(50257, 32)},
+     "{path}: lm_head.weight differs from wte.weight; GPT-2 ties them"),
     ({"transformer.h.0.attn.c_attn.weight": torch.zeros(2, 2, 2)},
      "{path} does not hold the GPT-2 this run builds: shapes: "
      "\\['transformer.h.0.attn.c_attn.weight \\(2, 2, 2\\) instead of \\(96, 32\\)'\\]"),
@@ -317,6 +321,18 @@ def test_init_from_a_config_json_that_is_not_gpt2s_is_one_line(hf_tiny, tmp_path
 def test_a_missing_or_odd_tensor_is_one_line(hf_tiny, tmp_path, tensors, message):
     path = hf_dir_with(tmp_path, hf_tiny, tensors=tensors)
     with pytest.raises(UserError, match=f"^{message.format(path=path)}$"):
+        GPT.from_pretrained(path)
+
+
+def test_a_config_json_that_cannot_be_read_is_one_line(hf_tiny, tmp_path, monkeypatch):
+    path = hf_dir_with(tmp_path, hf_tiny)
+    read_text = Path.read_text
+    def failing_read(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return read_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", failing_read)
+    with pytest.raises(UserError, match=f"^cannot read {path}/config.json: Input/output error$"):
         GPT.from_pretrained(path)
 
 

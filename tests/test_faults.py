@@ -1040,6 +1040,15 @@ def test_overwrite_that_cannot_delete_an_old_checkpoint_refuses_before_training(
     assert {p.name: p.read_bytes() for p in out.glob("ckpt_*")} == before
 
 
+def test_an_out_dir_is_held_while_its_lock_is_the_one_taken(tmp_path):
+    out = checkpoints.OutDir(tmp_path / "out")
+    assert out.holds_out_dir()
+    (tmp_path / "out" / ".lock").unlink()
+    assert not out.holds_out_dir()
+    checkpoints.OutDir(tmp_path / "out")  # a run since: its lock is another file of the same name
+    assert not out.holds_out_dir()
+
+
 def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_not_the_runs_end(tmp_path, capsys):
     stuck = tmp_path / "ckpt_0000001.pt"
     stuck.mkdir()

@@ -373,6 +373,10 @@ def test_hellaswag_path_of_a_directory_is_one_line_and_only_a_missing_one_is_dow
     with pytest.raises(UserError, match="holds no examples"):
         hellaswag.main(["gpt2", "--path", str(path), "--device", "cpu"])
     assert downloads == [str(path)]
+    monkeypatch.chdir(tmp_path)  # by default, the file that training downloads
+    with pytest.raises(UserError, match="^offline$"):
+        hellaswag.main(["gpt2", "--device", "cpu"])
+    assert downloads[1:] == [train_gpt2.Config.hellaswag_path]
 
 
 def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_beside_data_only(
@@ -463,3 +467,5 @@ def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
     raw, smoothed = figures[0].axes[0].lines
     means = [np.mean(losses[max(0, k - 3):k + 1]) for k in range(200)]
     np.testing.assert_allclose(smoothed.get_ydata(), means, rtol=1e-12)
+    plot.plot({"run": [{"step": i + 1, "loss": 3.0} for i in range(10)]}, tmp_path / "plot.png")
+    assert figures[1].axes[0].get_ylim() == pytest.approx((3.0 - 0.05, 3.0 + 0.2))  # flat: a unit span

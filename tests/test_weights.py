@@ -146,6 +146,7 @@ def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
     config = Config(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50304, bias=False)
     torch.manual_seed(0)
     model = GPT(config).eval()
+    assert [name for name, _ in model.named_parameters() if name.endswith("bias")] == []
     save_hf(model.state_dict(), config, tmp_path / "hf")
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))

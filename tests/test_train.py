@@ -748,6 +748,29 @@ def test_mfu_is_logged_where_the_peak_is_known(monkeypatch, tiny_data, tmp_path,
         assert f"step {s['step']:5d}/3 | " in out and f" | mfu: {s['mfu'] * 100:.1f}%" in out
 
 
+def test_a_checkpoint_whose_optimizer_groups_this_run_regroups_is_refused(tiny_data, tmp_path, monkeypatch):
+    """A fork that regroups the parameters (here: one weight moved into a third AdamW group) cannot
+    load the old optimizer state into its groups, though the optimizer is the same: refused."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--total_batch_size=64"]
+    train_gpt2.main([*args, "--max_steps=1"])
+    configure = train_gpt2.GPT.configure_optimizers
+
+    def three_groups(self, config, device_type):
+        optimizer = configure(self, config, device_type)
+        first = optimizer.param_groups[0]
+        moved = first["params"].pop()
+        optimizer.add_param_group({**{k: v for k, v in first.items() if k != "params"}, "params": [moved]})
+        return optimizer
+
+    monkeypatch.setattr(train_gpt2.GPT, "configure_optimizers", three_groups)
+    ckpt = tmp_path / "ckpt_0000001.pt"
+    groups = [len(g["params"]) for g in torch.load(ckpt, weights_only=True)["optimizer"]["param_groups"]]
+    with pytest.raises(UserError, match=f"^checkpoint {ckpt} was trained with optimizer=adamw and parameter "
+                                        f"groups of {re.escape(str(groups))} tensors, which this run's "
+                                        f"optimizer cannot continue"):
+        train_gpt2.main([*args, "--max_steps=2"])
+
+
 def test_a_run_in_this_process_leaves_the_signal_handlers_as_it_found_them(tiny_data, tmp_path):
     """The loop's SIGINT and SIGTERM handlers end with the run: left behind, they made the workers
     of a later multiprocessing.Pool in the same process survive the SIGTERM that ends them, and

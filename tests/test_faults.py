@@ -1049,6 +1049,14 @@ def test_an_out_dir_is_held_while_its_lock_is_the_one_taken(tmp_path):
     assert not out.holds_out_dir()
 
 
+def test_a_log_that_cannot_be_rewritten_at_the_start_is_one_line(tmp_path):
+    out = checkpoints.OutDir(tmp_path / "out")
+    (tmp_path / "out" / "log.jsonl").mkdir()
+    with pytest.raises(UserError, match=f"^cannot write to out_dir {tmp_path / 'out'}: Is a directory; "
+                                        f"pass a writable --out_dir$"):
+        out.start(0, None, [])
+
+
 def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_not_the_runs_end(tmp_path, capsys):
     stuck = tmp_path / "ckpt_0000001.pt"
     stuck.mkdir()

@@ -134,6 +134,24 @@ def test_a_first_trace_longer_than_the_second_is_traced_again(monkeypatch):
     assert len(traced) == 3
 
 
+def test_passes_whose_operations_keep_differing_give_the_difference_of_their_peaks(monkeypatch):
+    """Where the micro-batch of 2 keeps recording an operation that of 3 does not, the pairs of
+    allocations no longer line up: the activations are the difference of the two peaks."""
+    config = dataclasses.replace(SMALL, n_layer=1)
+    traced = []
+
+    class TwoRowsDoMore(memory_plan.LiveBytes):
+        def __exit__(self, *exc):
+            if len(traced) != 1:  # the first and the traced-again pass are of 2 rows
+                self.trace.insert(0, 0)  # one reading more, before the rest
+            traced.append(self.trace)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(memory_plan, "LiveBytes", TwoRowsDoMore)
+    assert memory_plan.activation_bytes(lambda: GPT(config), config) == max(traced[1]) - max(traced[2]) > 0
+    assert len(traced) == 3
+
+
 def profiled_bytes_per_sequence(config):
     """Bytes per sequence of seq_len tokens that one real forward and backward of GPT(config) on the
     CPU, under config.dtype's autocast, allocates at its peak beyond what does not grow with the

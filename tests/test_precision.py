@@ -237,6 +237,8 @@ def test_a_dtype_this_torch_cannot_run_is_one_line(monkeypatch):
                                         r"\(_amp_foreach_non_finite_check_and_unscale_ not implemented\): "
                                         r"pass --dtype=float32$"):
         precision.check_runs("float16", torch.device("cpu"))
+    with pytest.raises(UserError, match="^--dtype=float16 does not run on cpu"):  # as a run resolves it
+        precision.resolve(load_config([*EQUIV, "--dtype=float16"]), torch.device("cpu"))
     monkeypatch.setattr(precision, "autocast", lambda dtype, device: torch.autocast("cpu", enabled=False))
     with pytest.raises(UserError, match=rf"^--dtype=bfloat16 does not run on cpu with torch {version} "
                                         r"\(autocast gave torch.float32\): pass --dtype=float32$"):

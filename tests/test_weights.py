@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
@@ -139,7 +140,7 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
     assert tokenizer.eos_token_id == enc.eot_token == 50256
 
 
-def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
+def test_export_keeps_padded_vocab_and_zero_biases_exact(hf_tiny, tmp_path):
     """A model trained from scratch: vocab_size 50304 (47 padding rows) and bias=false. The
     exported directory carries the padding rows and zero biases, so transformers' logits are ours
     over all 50304 ids."""
@@ -154,6 +155,8 @@ def test_export_keeps_padded_vocab_and_zero_biases_exact(tmp_path):
         logits, _ = model(idx)
     assert logits.shape[-1] == 50304
     torch.testing.assert_close(hf_logits(exported, idx), logits, rtol=0, atol=TOLERANCE)
+    metadata = [safe_open(path / "model.safetensors", "pt").metadata() for path in (tmp_path / "hf", hf_tiny)]
+    assert metadata[0] == metadata[1]  # what transformers' save_pretrained writes
     with pytest.raises(UserError, match="exists and is not an empty directory"):
         save_hf(model.state_dict(), config, tmp_path / "hf")
 

@@ -129,6 +129,7 @@ def test_help_lines_write_defaults_as_toml_in_one_column():
 class Forty:
     key_whose_help_line_reaches_column: int = 1  # its line, 40 characters to the "=1", sets the column
     accented: str = "café"  # written as it reads, not escaped
+    key_one_character_past_the_fortieth: int = 1  # on a line of its own, as any longer key
 
 
 def test_help_lines_fill_the_terminal_less_2_and_a_key_of_40_characters_sets_the_column(monkeypatch):
@@ -138,7 +139,8 @@ def test_help_lines_fill_the_terminal_less_2_and_a_key_of_40_characters_sets_the
     assert max(map(len, help_lines(Knobs))) == 73  # two descriptions fill 73 columns exactly
     assert help_lines(Forty, width=200) == [
         "  --key_whose_help_line_reaches_column=1  its line, 40 characters to the \"=1\", sets the column",
-        '  --accented="café"'.ljust(42) + "written as it reads, not escaped"]
+        '  --accented="café"'.ljust(42) + "written as it reads, not escaped",
+        "  --key_one_character_past_the_fortieth=1", " " * 42 + "on a line of its own, as any longer key"]
 
 
 def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():

@@ -354,6 +354,16 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, ca
     assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n" * 2
 
 
+def test_timeline_draws_the_gpus_ranges_where_the_trace_has_them():
+    """A GPU's trace holds each range twice, as the CPU launched it and as the GPU ran it: the
+    lanes show the GPU's."""
+    step = {"ph": "X", "name": "ProfilerStep#0", "ts": 1000, "dur": 500}
+    launched = {"ph": "X", "name": "forward", "cat": "user_annotation", "ts": 1010, "dur": 50}
+    ran = {"ph": "X", "name": "forward", "cat": "gpu_user_annotation", "ts": 1100, "dur": 80}
+    compute, _ = timeline.lanes({"traceEvents": [step, launched, ran]}, 1)
+    assert compute == [("forward", pytest.approx(0.1), pytest.approx(0.08))]
+
+
 def test_hellaswag_path_of_a_directory_is_one_line_and_only_a_missing_one_is_downloaded(tmp_path,
                                                                                         monkeypatch):
     with pytest.raises(UserError, match=f"^--path {tmp_path} is a directory: pass the validation "
@@ -469,3 +479,4 @@ def test_the_loss_axis_leaves_out_the_first_steps_fall(tmp_path, monkeypatch):
     np.testing.assert_allclose(smoothed.get_ydata(), means, rtol=1e-12)
     plot.plot({"run": [{"step": i + 1, "loss": 3.0} for i in range(10)]}, tmp_path / "plot.png")
     assert figures[1].axes[0].get_ylim() == pytest.approx((3.0 - 0.05, 3.0 + 0.2))  # flat: a unit span
+    assert figures[1].get_size_inches()[0] == 5  # one panel, one column wide

@@ -221,8 +221,7 @@ def test_plot_writes_a_png_of_real_runs(equiv_runs, equiv_runs_dir, tmp_path):
     png = out.read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
     assert not list(tmp_path.glob("*.tmp"))
-
-
+    assert plot.pyplot().get_fignums() == []  # closed once written
 
 
 def write_log(run_dir, records):
@@ -249,6 +248,7 @@ def test_plot_to_a_directory_or_where_it_cannot_write_is_one_line(tmp_path):
                                         f"can write$"):
         plot.main([str(run), "--out", str(out)])
     assert sorted(p.name for p in run.iterdir()) == ["log.jsonl"]
+    assert plot.pyplot().get_fignums() == []  # closed after a failed write too
 
 
 @pytest.mark.parametrize("record", [[0, 3.0], {"loss": 3.0}, {"step": 1, "loss": "3.0"}, {"step": 1e400},

@@ -609,6 +609,10 @@ def corrupt_empty(path):
     path.write_bytes(b"")
 
 
+def corrupt_header(path):
+    path.write_bytes(path.read_bytes()[:1023])
+
+
 def corrupt_truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[:-10])
@@ -628,6 +632,7 @@ def corrupt_count(path):
 
 @pytest.mark.parametrize("corrupt, message", [
     (corrupt_empty, "is truncated or empty \\(0 bytes\\)"),
+    (corrupt_header, "is truncated or empty \\(1023 bytes\\)"),  # a byte short of its header
     (corrupt_truncate, "holds 495 tokens but its header says 500"),
     (corrupt_magic, "bad header \\(magic 12345, version 1, expected 20240520, 1\\): not a token shard"),
     (corrupt_count, "has a negative token count in its header \\(-3\\): corrupt"),

@@ -164,3 +164,13 @@ def test_bench_times_only_the_steps_after_warm_up_and_profiling(tmp_path, monkey
     assert summary["ms_per_step"] == bench.UNTIMED_STEPS + 2  # the median of the 3 timed steps
     assert summary["tokens_per_sec"] == 1000.0 / (bench.UNTIMED_STEPS + 2)
     assert summary["optimizer_state_mb"] == 1.0
+
+
+def test_a_reduce_scatter_or_all_gather_counts_its_whole_tensor_in_its_dtype():
+    """zero2's and fsdp's collectives hand over the whole tensor, the larger of output and input
+    (a reduce-scatter's input, an all-gather's output), at its element size."""
+    events = [{"ph": "X", "name": "c10d::_reduce_scatter_base_",
+               "args": {"Input Dims": [[8], [16]], "Input type": ["float", "float"]}},
+              {"ph": "X", "name": "c10d::_allgather_base_",
+               "args": {"Input Dims": [[16], [8]], "Input type": ["c10::BFloat16", "c10::BFloat16"]}}]
+    assert bench.comm_bytes(events) == (16 * 4 + 16 * 2) / bench.PROFILED_STEPS

@@ -624,9 +624,12 @@ def test_a_checkpoint_set_aside_at_a_step_set_aside_before_takes_the_next_free_n
     for suffix in (".damaged", ".damaged2"):
         bad.with_name(bad.name + suffix).write_text("set aside before")
     bad.write_bytes(b"not a checkpoint")
-    path, state = checkpoints.newest_loadable(tmp_path, lambda line: None)
+    warnings = []
+    path, state = checkpoints.newest_loadable(tmp_path, warnings.append)
     assert path == checkpoints.path_of(tmp_path, 1) and state["step"] == 1
     assert bad.with_name(bad.name + ".damaged3").read_bytes() == b"not a checkpoint"
+    assert warnings[0].startswith(f"warning: cannot load checkpoint {bad} (")
+    assert warnings[1:] == [f"warning: set {bad} aside as {bad.name}.damaged3"]
     assert [bad.with_name(bad.name + s).read_text() for s in (".damaged", ".damaged2")] == [
         "set aside before"] * 2
 

@@ -317,6 +317,16 @@ def test_script_plans_the_configs_activation_checkpointing_and_world_size(capsys
     assert lines[-2].split() == ["zero2", *map(str, fits)]
 
 
+def test_script_prints_a_plan_under_a_gigabyte_in_megabytes(capsys):
+    argv = [*TINY, "--dtype=float32", "--micro_batch_size=2"]
+    memory_plan_main([*argv, "--world_size", "1"])
+    config = load_config(argv)
+    parts = memory_plan.plan(config, 1, memory_counts(config))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[:2] == ["planned", "MB"]
+    assert [float(v) for v in lines[2].split()[2:]] == [round(v / 2**20, 2) for v in parts.values()]
+
+
 @pytest.mark.parametrize("option, value, rule", [
     ("--world_size", "0", "--world_size must be >= 1, got 0"),
     ("--world_size", "-8", "--world_size must be >= 1, got -8"),

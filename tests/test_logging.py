@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -285,6 +286,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data
     os.close(leader)
     assert proc.wait(timeout=120) == 0, output
     assert b"val loss:   0%" in output and b"hellaswag:   0%" in output, output
+    assert not re.search(rb"(val loss|hellaswag): +100%[^\r\n]*\r?\n", output), output  # each bar cleared
     plain = run_training([*args, f"--out_dir={tmp_path / 'plain'}"])
     assert "%|" not in plain.stdout + plain.stderr
 

@@ -162,3 +162,15 @@ def test_docs_and_comments_speak_to_the_reader_not_of_how_the_repository_was_bui
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
             if re.search(BUILT + (r"|\bthis machine\b" if path.suffix == ".md" else ""), line, re.I)]
     assert not hits, "speak to the reader of the repository, not of how it was built:\n" + "\n".join(hits)
+
+
+def test_the_hellaswag_references_are_build_nanogpts_as_the_docs_quote_them():
+    """The script's and the plot's reference acc_norm of GPT-2 are the figures the docs quote."""
+    from scripts import hellaswag, plot
+    after_training = (ROOT / "docs" / "after_training.md").read_text()
+    gpt2, xl = hellaswag.GPT2_ACC_NORM["gpt2"], hellaswag.GPT2_ACC_NORM["gpt2-xl"]
+    assert f"build-nanogpt: acc_norm {gpt2} (gpt2-xl: {xl})" in after_training
+    assert f"{gpt2} acc_norm in build-nanogpt (gpt2-xl: {xl})" in hellaswag.__doc__
+    references = plot.REFERENCES
+    assert f"GPT-2 124M ({references['GPT-2 124M']}) and GPT-3 125M ({references['GPT-3 125M']})" in after_training
+    assert references["GPT-2 124M"] == gpt2

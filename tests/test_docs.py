@@ -172,5 +172,6 @@ def test_the_hellaswag_references_are_build_nanogpts_as_the_docs_quote_them():
     assert f"build-nanogpt: acc_norm {gpt2} (gpt2-xl: {xl})" in after_training
     assert f"{gpt2} acc_norm in build-nanogpt (gpt2-xl: {xl})" in hellaswag.__doc__
     references = plot.REFERENCES
-    assert f"GPT-2 124M ({references['GPT-2 124M']}) and GPT-3 125M ({references['GPT-3 125M']})" in after_training
+    gpt3 = references["GPT-3 125M"]
+    assert f"GPT-2 124M ({references['GPT-2 124M']}) and GPT-3 125M ({gpt3})" in after_training
     assert references["GPT-2 124M"] == gpt2

@@ -154,7 +154,8 @@ def test_blank_lines_are_skipped_and_a_missing_file_names_where_it_comes_from(tm
     with pytest.raises(UserError, match=f"^HellaSwag file {path} not found \\(it is downloaded from "
                                         f"{re.escape(hellaswag.URL)} when missing\\)$"):
         hellaswag.load_examples(path)
-    path.write_text("\n" + json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1}) + "\n \n")
+    example = json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1})
+    path.write_text(f"\n{example}\n \n")
     assert [example["label"] for example in hellaswag.load_examples(path)] == [1]
 
 

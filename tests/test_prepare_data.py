@@ -548,7 +548,8 @@ def test_parquet_row_without_text_is_named_by_row(tmp_path):
     with pytest.raises(UserError, match="rows.parquet row 2's 'text' is null, not a string;"):
         run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
     write_rows(tmp_path / "rows.parquet", [{"text": b"a"}])  # a type JSON lacks, named with its value
-    with pytest.raises(UserError, match="rows.parquet row 1's 'text' is a bytes \\(\"b'a'\"\\), not a string;"):
+    with pytest.raises(UserError, match="rows.parquet row 1's 'text' is a bytes \\(\"b'a'\"\\), not a "
+                                        "string;"):
         run("--input", tmp_path / "rows.parquet", "--output_dir", tmp_path / "out", "--workers", 1)
 
 

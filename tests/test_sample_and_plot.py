@@ -160,6 +160,14 @@ def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):
     assert texts[0] == texts[1] == texts[2]
 
 
+def test_the_model_is_compiled_with_compile_alone(trained, monkeypatch, capsys):
+    compiled = []
+    for options in ([], ["--compile"]):
+        monkeypatch.setattr(GPT, "compile", lambda self: compiled.append(options), raising=False)
+        sample_main([str(trained), *options, "--max_new_tokens", "2", "--device", "cpu"])
+    assert compiled == [["--compile"]]
+
+
 def test_ctrl_c_while_sampling_is_one_line(trained):
     proc = subprocess.Popen([sys.executable, "-m", "scripts.sample", str(trained), "--max_new_tokens",
                              "1000000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,

@@ -872,6 +872,7 @@ def test_ddp_options_reach_ddp():
         assert views.bucket_bytes_cap == 2**20  # one process has one bucket; more split at this size
         assert [wrappers(wrapped(compile=True, compile_ddp=c)) for c in (False, True)] == [
             [DDP, Compiled], [Compiled, DDP]]
+        assert wrappers(wrapped(compile=True)) == [DDP, Compiled]  # nanoGPT's order unless compile_ddp
         exact = [wrapped(exact_reduction=True, compile=c, compile_ddp=d).module
                  for c, d in ((False, False), (True, False), (True, True))]  # exact mode's DDP, likewise
         assert [wrappers(model) for model in exact] == [[DDP], [DDP, Compiled], [Compiled, DDP]]

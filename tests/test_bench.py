@@ -174,3 +174,15 @@ def test_a_reduce_scatter_or_all_gather_counts_its_whole_tensor_in_its_dtype():
               {"ph": "X", "name": "c10d::_allgather_base_",
                "args": {"Input Dims": [[16], [8]], "Input type": ["c10::BFloat16", "c10::BFloat16"]}}]
     assert bench.comm_bytes(events) == (16 * 4 + 16 * 2) / bench.PROFILED_STEPS
+
+
+def test_the_time_split_is_per_step_and_the_wait_is_what_syncing_adds():
+    """Each range's milliseconds over the profiled steps; a syncing micro-step's excess over a
+    non-syncing one's is the all-reduce wait, and fwd_bwd keeps the rest."""
+    steps = bench.PROFILED_STEPS
+    events = [{"ph": "X", "cat": "user_annotation", "name": name, "dur": dur}
+              for name, dur in [("data", 300)] * steps + [("forward_backward", 1000)] * steps
+              + [("forward_backward_sync", 1500)] * steps + [("optimizer", 200)] * steps]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "data", "dur": 10**6})  # not a range of ours
+    assert bench.time_split(events) == pytest.approx(
+        {"data": 0.3, "fwd_bwd": 2.0, "allreduce_wait": 0.5, "optimizer": 0.2, "newton_schulz": None})

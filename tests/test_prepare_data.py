@@ -948,3 +948,11 @@ def test_the_quickstart_script_prepares_the_data_whatever_a_killed_run_left(tmp_
     assert proc.returncode == 0 and (root / "prepared").exists()
     assert proc.stdout == ("torchrun --standalone --nproc_per_node=2 train_gpt2.py configs/shakespeare_cpu.toml "
                            "--max_steps=1\n")
+
+
+def test_the_counting_bar_ends_at_the_inputs_bytes_with_the_json_around_the_text(tmp_path, capsys):
+    rows = "".join(json.dumps({"text": f"row {i} of some text", "id": i}) + "\n" for i in range(50))
+    (tmp_path / "rows.jsonl").write_text(rows)
+    run("--input", tmp_path / "rows.jsonl", "--output_dir", tmp_path / "out", "--workers", 1)
+    shown = re.findall(r"counting tokens: +(\d+)%", capsys.readouterr().err)
+    assert shown and shown[-1] == "100"

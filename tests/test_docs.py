@@ -171,7 +171,5 @@ def test_the_hellaswag_references_are_build_nanogpts_as_the_docs_quote_them():
     gpt2, xl = hellaswag.GPT2_ACC_NORM["gpt2"], hellaswag.GPT2_ACC_NORM["gpt2-xl"]
     assert f"build-nanogpt: acc_norm {gpt2} (gpt2-xl: {xl})" in after_training
     assert f"{gpt2} acc_norm in build-nanogpt (gpt2-xl: {xl})" in hellaswag.__doc__
-    references = plot.REFERENCES
-    gpt3 = references["GPT-3 125M"]
-    assert f"GPT-2 124M ({references['GPT-2 124M']}) and GPT-3 125M ({gpt3})" in after_training
-    assert references["GPT-2 124M"] == gpt2
+    gpt2_124m, gpt3_125m = plot.REFERENCES["GPT-2 124M"], plot.REFERENCES["GPT-3 125M"]
+    assert f"GPT-2 124M ({gpt2_124m}) and GPT-3 125M ({gpt3_125m})" in after_training and gpt2_124m == gpt2

@@ -162,8 +162,8 @@ def test_a_tiny_temperature_samples_the_likeliest_tokens(trained, capsys):
 
 def test_the_model_is_compiled_with_compile_alone(trained, monkeypatch, capsys):
     compiled = []
-    for options in ([], ["--compile"]):
-        monkeypatch.setattr(GPT, "compile", lambda self: compiled.append(options), raising=False)
+    monkeypatch.setattr(GPT, "compile", lambda self: compiled.append(options), raising=False)
+    for options in ([], ["--compile"]):  # each call records the options of the run that made it
         sample_main([str(trained), *options, "--max_new_tokens", "2", "--device", "cpu"])
     assert compiled == [["--compile"]]
 

@@ -331,6 +331,7 @@ def test_a_missing_or_odd_tensor_is_one_line(hf_tiny, tmp_path, tensors, message
 def test_a_config_json_that_cannot_be_read_is_one_line(hf_tiny, tmp_path, monkeypatch):
     path = hf_dir_with(tmp_path, hf_tiny)
     read_text = Path.read_text
+
     def failing_read(self, *args, **kwargs):
         if self.name == "config.json":
             raise OSError(errno.EIO, os.strerror(errno.EIO))

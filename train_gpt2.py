@@ -392,10 +392,26 @@ class GPT(nn.Module):
         checkpoint or out_dir of ours, a Hugging Face GPT-2 directory, or a hub name (gpt2...).
         Raises UserError for a source that is none of these or cannot be read."""
         shape, state = gpt2_weights.load_weights(source)
-        model = cls(Config(**shape))
+        with torch.device("meta"):
+            model = cls(Config(**shape))
         gpt2_weights.check_weights(state, model.state_dict(), source)
-        model.load_state_dict(state)
-        return model.to(device).eval()
+        return model.assign_state_dict(state).to(device).eval()
+
+    def assign_state_dict(self, state):
+        """Loads the state dict `state` by taking its tensors as the parameters (load_state_dict
+        with assign=True): no copy, so a model built on the meta device gets its weights without
+        the random init they would replace, as transformers loads. The parameters that __init__
+        ties (wte and lm_head) are tied again. Returns self. Raises RuntimeError, as load_state_dict,
+        for keys or shapes that differ."""
+        names = {}  # each parameter's names, as assign=True gives every name a Parameter of its own
+        for name, param in self.named_parameters(remove_duplicate=False):
+            names.setdefault(param, []).append(name)
+        self.load_state_dict(state, assign=True)
+        for first, *tied in names.values():
+            for name in tied:
+                module, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(module), leaf, self.get_parameter(first))
+        return self
 
 
 def init_from(config, weights=True):
@@ -444,9 +460,12 @@ def build_model(config, device, pretrained_state=None):
     """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
     loaded from pretrained_state."""
     torch.manual_seed(config.seed)
-    model = GPT(config).to(device)
-    if pretrained_state is not None:
-        model.load_state_dict(pretrained_state)
+    if pretrained_state is None:
+        model = GPT(config).to(device)
+    else:  # training writes the weights: contiguous copies on the device, not views of a file
+        state = {k: v.to(device, memory_format=torch.contiguous_format, copy=True)
+                 for k, v in pretrained_state.items()}
+        model = meta_model(config).assign_state_dict(state)
     if config.compile and config.dropout > 0:
         # compiled dropout draws other masks than eager unless it falls back to eager's RNG
         torch._inductor.config.fallback_random = True

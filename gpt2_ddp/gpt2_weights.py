@@ -123,8 +123,10 @@ def load_hf(source, weights=True):
 
 
 def hf_state(file):
-    """A Hugging Face GPT-2 model.safetensors as GPT.state_dict() in float32. Raises UserError for an
-    unreadable file, a tensor not floating point or not finite, or an lm_head.weight not wte.weight."""
+    """A Hugging Face GPT-2 model.safetensors as GPT.state_dict() in float32, its tensors views of
+    the memory-mapped file where they are float32 already: a Conv1D weight is the transpose of its
+    (in, out) storage, not a copy. Raises UserError for an unreadable file, a tensor not floating
+    point or not finite, or an lm_head.weight not wte.weight."""
     from safetensors.torch import load_file
     try:
         tensors = load_file(file)
@@ -138,13 +140,15 @@ def hf_state(file):
             continue  # the causal-mask buffers older transformers versions saved
         if not tensor.is_floating_point():
             raise UserError(f"{file}: {key} is {tensor.dtype}, not floating point: not GPT-2 weights")
-        if not torch.isfinite(tensor).all():
+        # min and max, one fused pass over the bytes, are finite iff every value is
+        if tensor.numel() and not torch.stack(torch.aminmax(tensor)).isfinite().all():
             raise UserError(f"{file}: {key} holds NaN or infinite values: the weights are damaged")
         if key.endswith(CONV1D) and tensor.dim() == 2:  # other shapes: state_mismatch names them
             tensor = tensor.t()
-        state[key if key == "lm_head.weight" else "transformer." + key] = tensor.float().contiguous()
+        state[key if key == "lm_head.weight" else "transformer." + key] = tensor.float()
     wte = state.get("transformer.wte.weight")
-    if wte is not None and not torch.equal(state.setdefault("lm_head.weight", wte), wte):
+    lm_head = state.setdefault("lm_head.weight", wte) if wte is not None else None
+    if lm_head is not wte and not torch.equal(lm_head, wte):  # a file that holds both
         raise UserError(f"{file.parent}: lm_head.weight differs from wte.weight; GPT-2 ties them")
     return state
 

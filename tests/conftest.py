@@ -303,6 +303,15 @@ def hf_tiny(tmp_path_factory):
     return path
 
 
+def tied_names(model):
+    """The names of each of model's parameters, sorted: a list per Parameter object, so the names
+    that share one (GPT's wte and lm_head) are one list."""
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    return sorted(names.values())
+
+
 @contextlib.contextmanager
 def matmul_precision_kept():
     """The float32 matmul precision put back on exit: main() and setup_distributed set it for the

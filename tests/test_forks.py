@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import train_gpt2
-from conftest import TINY, change_qk, make_shards, read_log, train_here
+from conftest import TINY, change_qk, make_shards, read_log, tied_names, train_here
 from gpt2_ddp import checkpoints, memory_plan
 from gpt2_ddp.tokenizer import gpt2_encoding
 from scripts import sample as sample_script
@@ -161,6 +161,17 @@ def test_scripts_sample_draws_from_a_forks_out_dir(fork_runs, monkeypatch, capsy
     tokens = sample_script.sample(fork.from_pretrained(whole), gpt2_encoding(), "ab", 8, 1.0, 50,
                                   torch.Generator().manual_seed(3), out=expected)
     assert len(tokens) == 8 and printed.out == expected.getvalue()
+
+
+def test_a_forks_from_pretrained_holds_its_checkpoint_tied_as_its_init_ties(fork_runs):
+    """The fork's from_pretrained, built on the meta device, holds its checkpoint's weights, with
+    the ties of the fork's own __init__: QK-norm's lm_head stays apart from wte."""
+    fork, whole, _, _ = fork_runs
+    model = fork.from_pretrained(whole)
+    assert tied_names(model) == tied_names(fork(model.config))
+    saved = checkpoints.load(checkpoints.path_of(whole, STEPS))["model"]
+    assert model.state_dict().keys() == saved.keys()
+    assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

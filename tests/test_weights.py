@@ -16,12 +16,12 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
-from conftest import ROOT, TINY, make_shards, read_log, run_training, write_hellaswag
+from conftest import ROOT, TINY, make_shards, read_log, run_training, tied_names, write_hellaswag
 from gpt2_ddp import checkpoints
 from gpt2_ddp.gpt2_weights import save_hf
 from gpt2_ddp.tokenizer import ASSETS_DIR, GPT2_MERGES_PATH, GPT2_VOCAB_PATH, gpt2_encoding
 from scripts import export_hf
-from train_gpt2 import GPT, Config, DataLoader, UserError, init_from, load_config
+from train_gpt2 import GPT, Config, DataLoader, UserError, build_model, init_from, load_config
 
 TOLERANCE = 1e-5  # float32 logits of two implementations that sum in other orders
 
@@ -46,6 +46,38 @@ def test_init_from_a_transformers_checkpoint_gives_its_logits(hf_tiny):
     with torch.no_grad():
         logits, _ = model(idx)
     torch.testing.assert_close(logits, hf_logits(reference, idx), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("source", ["hf_tiny", "gpt_tiny"])
+def test_from_pretrained_draws_no_random_weights_and_ties_what_gpt_ties(source, request):
+    """GPT.from_pretrained of a transformers directory or of our checkpoint builds no random weights to
+    overwrite (an init would draw from the global RNG) and ties the parameters that GPT(config) ties,
+    wte and lm_head; the weights it holds are the file's."""
+    path = request.getfixturevalue(source)
+    rng = torch.get_rng_state()
+    model = GPT.from_pretrained(path)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert tied_names(model) == tied_names(GPT(model.config))
+    if source == "gpt_tiny":
+        saved = checkpoints.load(checkpoints.resolve(path))["model"]
+        assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
+
+
+def test_init_from_trains_contiguous_copies_of_the_weights_drawing_none_at_random(hf_tiny):
+    """build_model with init_from's state makes no random weights (the RNG is where config.seed put it)
+    and gives training contiguous parameters of its own, not views of the memory-mapped file whose
+    matmul weights are stored transposed, equal to the file's, tied as GPT(config) ties them."""
+    config, state = init_from(load_config([*FINETUNE_TINY, f"--init_from={hf_tiny}"]))
+    model = build_model(config, torch.device("cpu"), state)
+    rng = torch.get_rng_state()
+    torch.manual_seed(config.seed)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert tied_names(model) == tied_names(GPT(config))
+    assert not state["transformer.h.0.attn.c_attn.weight"].is_contiguous()  # what is copied here
+    file_storage = {tensor.untyped_storage().data_ptr() for tensor in state.values()}
+    for name, param in model.named_parameters():
+        assert param.is_contiguous() and param.untyped_storage().data_ptr() not in file_storage, name
+        assert torch.equal(param, state[name]), name
 
 
 @pytest.mark.parametrize("override, message", [
@@ -308,13 +340,26 @@ def test_init_from_a_config_json_that_is_not_gpt2s_is_one_line(hf_tiny, tmp_path
         init_from(load_config([*FINETUNE_TINY, f"--init_from={path}"]))
 
 
+def one_value_set(shape, index, value):
+    """A tensor of `shape` holding 0.5 but for `value` at flat `index`."""
+    tensor = torch.full(shape, 0.5)
+    tensor.view(-1)[index] = value
+    return tensor
+
+
 @pytest.mark.parametrize("tensors, message", [
     ({"transformer.wte.weight": None}, "{path} does not hold the GPT-2 this run builds: missing "
                                        "\\['transformer.wte.weight', 'lm_head.weight'\\]"),
     ({"transformer.wte.weight": torch.zeros(50257, 32, dtype=torch.int64)},
      "{path}/model.safetensors: wte.weight is torch.int64, not floating point: not GPT-2 weights"),
-    ({"transformer.wpe.weight": torch.full((64, 32), float("nan"))},
+    ({"transformer.wpe.weight": one_value_set((64, 32), 1000, float("nan"))},
      "{path}/model.safetensors: wpe.weight holds NaN or infinite values: the weights are damaged"),
+    ({"transformer.h.1.mlp.c_fc.weight": one_value_set((32, 128), -1, float("-inf"))},
+     "{path}/model.safetensors: h.1.mlp.c_fc.weight holds NaN or infinite values: the weights are damaged"),
+    ({"transformer.ln_f.bias": one_value_set((32,), 0, float("inf"))},
+     "{path}/model.safetensors: ln_f.bias holds NaN or infinite values: the weights are damaged"),
+    ({"transformer.h.0.ln_1.weight": torch.zeros(0)}, "{path} does not hold the GPT-2 this run builds: "
+     "shapes: \\['transformer.h.0.ln_1.weight \\(0,\\) instead of \\(32,\\)'\\]"),
     (None, "cannot read {path}/model.safetensors \\(SafetensorError: .*\\); download it again"),
     ({"lm_head.weight": torch.zeros(50257, 32)},
      "{path}: lm_head.weight differs from wte.weight; GPT-2 ties them"),

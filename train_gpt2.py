@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -392,8 +393,7 @@ class GPT(nn.Module):
         checkpoint or out_dir of ours, a Hugging Face GPT-2 directory, or a hub name (gpt2...).
         Raises UserError for a source that is none of these or cannot be read."""
         shape, state = gpt2_weights.load_weights(source)
-        with torch.device("meta"):
-            model = cls(Config(**shape))
+        model = meta_model(Config(**shape), cls)
         gpt2_weights.check_weights(state, model.state_dict(), source)
         return model.assign_state_dict(state).to(device).eval()
 
@@ -442,10 +442,12 @@ def init_from(config, weights=True):
     return config, state
 
 
-def meta_model(config):
-    """GPT(config) on the meta device: its names and shapes, without memory or initial values."""
-    with torch.device("meta"):
-        return GPT(config)
+def meta_model(config, cls=None):
+    """cls(config), GPT(config) by default, on the meta device: its names and shapes, without memory
+    or initial values."""
+    # on the meta device nn.Embedding's own init (normal_) imports torch._dynamo, which is slow to import
+    with torch.device("meta"), mock.patch.object(nn.Embedding, "reset_parameters"):
+        return (cls or GPT)(config)
 
 
 def memory_counts(config):

@@ -5,17 +5,28 @@ Sampling speed of train_gpt2.py's GPT.generate (KV cache) against transformers' 
     python -m tests.bench_sample --new_tokens 200 --repeats 3
     python -m tests.bench_sample --devices cuda                   # the GPU alone
     python -m tests.bench_sample --n_layer 2 --n_head 2 --n_embd 32 --new_tokens 8
+    python -m tests.bench_sample --load DIR [DIR ...] --sample_from DIR [DIR ...] --new_tokens 200
 
 Both hold the same random weights (GPT-2 124M's shape by default), so the first line's largest logits
 difference should be tiny. Each samples --new_tokens after one random 16-token prompt, batch 1, top_k 50,
 never stopping at <|endoftext|>; tok/s counts the whole call, prefill included, after a warm-up. Needs
 transformers (pip install transformers).
+
+With --load or --sample_from, the rows are fresh processes at one CPU thread instead, ours then
+transformers', alternating, the best of --repeats each: --load times GPT.from_pretrained against
+GPT2LMHeadModel.from_pretrained of each Hugging Face GPT-2 directory, the first call in a process and
+a second one; --sample_from times the whole `python -m scripts.sample DIR` of the first --new_tokens
+tokens against a script that loads the directory with transformers and generates as many, loading
+and imports included.
 """
 
 import copy
+import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +38,39 @@ from train_gpt2 import GPT, Config
 
 PROMPT_TOKENS = 16
 TOP_K = 50
+ROOT = Path(__file__).resolve().parent.parent
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+# a child that imports the model class, then prints its import time and two from_pretrained times
+# (the first model freed in between, untimed)
+LOAD = """import gc, sys, time
+t0 = time.perf_counter()
+import torch
+if sys.argv[1] == "ours":
+    from train_gpt2 import GPT as Model
+else:
+    from transformers import GPT2LMHeadModel as Model
+times = [time.perf_counter() - t0]
+for _ in range(2):
+    t0 = time.perf_counter()
+    model = Model.from_pretrained(sys.argv[2])
+    times.append(time.perf_counter() - t0)
+    del model
+    gc.collect()
+print(*times)
+"""
+# what scripts.sample does, with transformers: load, then print a sample of argv[2] tokens
+HF_SAMPLE = """import sys
+import torch
+from transformers import GPT2LMHeadModel
+from gpt2_ddp.tokenizer import gpt2_encoding
+torch.manual_seed(int(sys.argv[3]))
+model, enc = GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval(), gpt2_encoding()
+prompt = torch.tensor([enc.encode(sys.argv[4])])
+out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=50,
+                     temperature=1.0, top_p=1.0, max_new_tokens=int(sys.argv[2]),
+                     min_new_tokens=int(sys.argv[2]), pad_token_id=50256)
+print(enc.decode(out[0].tolist()))
+"""
 
 
 def hf_twin(model):
@@ -104,6 +148,61 @@ def time_setting(name, model, hf, prompt, args):
     return rows
 
 
+def child(name, args):
+    """(seconds, stdout) of a fresh python process with argv `args` at one CPU thread, run from the
+    repository root. Raises UserError naming it `name`, with its last stderr line, if it fails."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=ONE_THREAD, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise UserError(f"{name} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return time.perf_counter() - t0, done.stdout
+
+
+def best_of(repeats, time_ours, time_theirs):
+    """(best of ours, best of theirs) over `repeats` alternating calls of each, each a list of
+    figures; the minimum per position."""
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(time_ours())
+        theirs.append(time_theirs())
+    return [min(column) for column in zip(*ours)], [min(column) for column in zip(*theirs)]
+
+
+def load_times(who, source):
+    """[import, first from_pretrained, second from_pretrained] in seconds, in a fresh process, of
+    `who`'s model class: ours or transformers'."""
+    return [float(t) for t in child(f"{who} loading {source}", ["-c", LOAD, who, source])[1].split()]
+
+
+def sample_time(who, source, new_tokens, seed, prompt="ROMEO:"):
+    """Seconds of `who`'s whole process that loads `source` and prints a sample of new_tokens."""
+    if who == "ours":
+        return child("python -m scripts.sample", [
+            "-m", "scripts.sample", source, "--prompt", prompt, "--max_new_tokens", str(new_tokens),
+            "--seed", str(seed), "--device", "cpu"])[0]
+    return child("transformers' sample", ["-c", HF_SAMPLE, source, str(new_tokens), str(seed), prompt])[0]
+
+
+def process_rows(args):
+    """The table's rows of --load and --sample_from: seconds, ours against transformers'."""
+    rows = []
+    for source in args.load:
+        ours, theirs = best_of(args.repeats, lambda: load_times("ours", source),
+                               lambda: load_times("transformers", source))
+        for i, what in enumerate(["import", "from_pretrained, the first in a process",
+                                  "from_pretrained again"]):
+            rows.append((f"{Path(source).name}: {what}", ours[i], theirs[i]))
+    n = args.new_tokens[0]
+    for source in args.sample_from:
+        ours, theirs = best_of(args.repeats, lambda: [sample_time("ours", source, n, args.seed)],
+                               lambda: [sample_time("transformers", source, n, args.seed)])
+        rows.append((f"{Path(source).name}: python -m scripts.sample, {n} new tokens, loading included",
+                     ours[0], theirs[0]))
+    return [f"| {what} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |"
+            for what, ours, theirs in rows]
+
+
 def main(argv):
     parser = configurator.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]))
     parser.add_argument("--new_tokens", type=int, nargs="+", default=[200, 1000],
@@ -118,6 +217,11 @@ def main(argv):
                         default=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"],
                         help="where to time: cpu (1 thread and all), cuda (default: both where "
                              "there is a GPU)")
+    parser.add_argument("--load", nargs="+", default=[], metavar="DIR",
+                        help="Hugging Face GPT-2 directories whose loading to time")
+    parser.add_argument("--sample_from", nargs="+", default=[], metavar="DIR",
+                        help="Hugging Face GPT-2 directories to time scripts.sample from, loading "
+                             "included, against transformers (the first --new_tokens)")
     args = parser.parse_args(argv)
     if "cuda" in args.devices and not torch.cuda.is_available():
         raise UserError("--devices cuda: torch sees no CUDA device here; pass --devices cpu")
@@ -128,6 +232,12 @@ def main(argv):
     if args.n_embd < 1 or args.n_embd % args.n_head:
         raise UserError(f"--n_embd must be a positive multiple of --n_head={args.n_head}, got "
                         f"{args.n_embd}")
+    if args.load or args.sample_from:
+        rows = process_rows(args)
+        print(f"fresh processes at one CPU thread, seconds, best of {args.repeats}; torch "
+              f"{torch.__version__}\n\n| what | ours | transformers | speedup |\n|---|---|---|---|")
+        print("\n".join(rows))
+        return
     config = Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     if PROMPT_TOKENS + max(args.new_tokens) > config.block_size:
         raise UserError(f"--new_tokens at most {config.block_size - PROMPT_TOKENS}: transformers' "

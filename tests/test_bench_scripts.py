@@ -35,6 +35,34 @@ def test_bench_sample_times_ours_against_transformers_on_the_same_weights(capsys
                                                                        abs=0.01, rel=0.01)
 
 
+def test_bench_sample_times_loading_and_whole_samples_in_fresh_processes(hf_tiny, capsys):
+    """--load and --sample_from time fresh processes, ours against transformers': the import, two
+    from_pretrained calls, and a whole sample.py run against a transformers script doing the same;
+    the speedup is transformers' seconds over ours."""
+    bench_sample.main(["--load", str(hf_tiny), "--sample_from", str(hf_tiny), "--new_tokens", "3",
+                       "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"fresh processes at one CPU thread, seconds, best of 1; torch "
+                          f"{torch.__version__}\n")
+    header, _, *rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                        for line in out.splitlines() if line.startswith("|")]
+    assert header == ["what", "ours", "transformers", "speedup"]
+    assert [row[0] for row in rows] == [
+        f"{hf_tiny.name}: import", f"{hf_tiny.name}: from_pretrained, the first in a process",
+        f"{hf_tiny.name}: from_pretrained again",
+        f"{hf_tiny.name}: python -m scripts.sample, 3 new tokens, loading included"]
+    for _, ours, theirs, speedup in rows:
+        assert float(ours) >= 0 and float(theirs) > 0 and re.fullmatch(r"\d+\.\d\dx", speedup)
+    _, ours, theirs, speedup = rows[-1]  # whole processes: seconds, so 2 decimals give the ratio
+    assert float(speedup[:-1]) == pytest.approx(float(theirs) / float(ours), rel=0.01)
+
+
+def test_bench_sample_says_which_child_failed_in_one_line(tmp_path):
+    with pytest.raises(UserError, match=f"^ours loading {tmp_path}/nowhere failed: "
+                                        f"gpt2_ddp.configurator.UserError: {tmp_path}/nowhere is neither "):
+        bench_sample.main(["--load", str(tmp_path / "nowhere"), "--repeats", "1"])
+
+
 def test_bench_sample_without_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(UserError, match="^transformers is not installed: pip install transformers$"):

@@ -63,6 +63,16 @@ def test_from_pretrained_draws_no_random_weights_and_ties_what_gpt_ties(source, 
         assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
 
 
+def test_from_pretrained_in_a_new_process_leaves_torch_dynamo_unimported(hf_tiny):
+    """Building the model on the meta device skips nn.Embedding's init, whose normal_ would import
+    torch._dynamo there: sample.py, export and HellaSwag load without that import."""
+    code = ("import sys; from train_gpt2 import GPT; GPT.from_pretrained(sys.argv[1]); "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(hf_tiny)], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout == "False\n"
+
+
 def test_init_from_trains_contiguous_copies_of_the_weights_drawing_none_at_random(hf_tiny):
     """build_model with init_from's state makes no random weights (the RNG is where config.seed put it)
     and gives training contiguous parameters of its own, not views of the memory-mapped file whose

@@ -391,7 +391,9 @@ class GPT(nn.Module):
     def from_pretrained(cls, source, device="cpu"):
         """A GPT in eval mode on `device` from `source`, as gpt2_weights.load_weights reads it: a
         checkpoint or out_dir of ours, a Hugging Face GPT-2 directory, or a hub name (gpt2...).
-        Raises UserError for a source that is none of these or cannot be read."""
+        Built on the meta device, it holds the loaded tensors themselves, views of the memory-mapped
+        file on the CPU, and draws no random init. Raises UserError for a source that is none of
+        these or cannot be read."""
         shape, state = gpt2_weights.load_weights(source)
         model = meta_model(Config(**shape), cls)
         gpt2_weights.check_weights(state, model.state_dict(), source)
@@ -459,8 +461,8 @@ def memory_counts(config):
 
 
 def build_model(config, device, pretrained_state=None):
-    """GPT(config) on `device`, initialized from config.seed (the same weights on every rank) or
-    loaded from pretrained_state."""
+    """GPT(config) on `device`, initialized from config.seed (the same weights on every rank), or
+    built on the meta device to hold contiguous copies of pretrained_state, with no random init."""
     torch.manual_seed(config.seed)
     if pretrained_state is None:
         model = GPT(config).to(device)

@@ -99,6 +99,14 @@ def test_bench_refuses_before_training_what_would_delete_or_fail_late(tmp_path, 
     assert (mine / "notes.txt").read_text() == "keep"
 
 
+def test_bench_without_variants_times_eager_compile_and_compile_ddp(tmp_path, monkeypatch, capsys):
+    """The default --variants, which the first two commands of bench.py's docstring time."""
+    planned = []
+    monkeypatch.setattr(bench, "plan", lambda specs, micro_batch_sizes: planned.append(specs) or [])
+    bench.main(["--out_dir", str(tmp_path)])
+    assert planned == [["eager", "compile", "compile_ddp"]]
+
+
 def training_processes(marker):
     """The pids of live processes whose command line holds `marker`, this one's aside."""
     pids = []

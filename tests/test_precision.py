@@ -226,12 +226,12 @@ def test_auto_runs_float32_on_the_cpu_and_mps_and_a_set_dtype_says_so(monkeypatc
 
 
 def test_a_dtype_this_torch_cannot_run_is_one_line(monkeypatch):
-    """Where autocast or the loss scaler fails on the device (MPS on an older torch, say), the run
-    stops in one line before any work; where torch turns autocast off with a warning, too."""
-    def unsupported(device_type, enabled=True):
+    """Where autocast or the loss scaler's unscale_ fails on the device (MPS on an older torch, say),
+    the run stops in one line before any work; where torch turns autocast off with a warning, too."""
+    def unsupported(scaler, optimizer):
         raise RuntimeError("_amp_foreach_non_finite_check_and_unscale_ not implemented\nstack")
 
-    monkeypatch.setattr(torch.amp, "GradScaler", unsupported)
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unsupported)
     version = re.escape(torch.__version__)
     with pytest.raises(UserError, match=rf"^--dtype=float16 does not run on cpu with torch {version} "
                                         r"\(_amp_foreach_non_finite_check_and_unscale_ not implemented\): "

@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import torch
 from conftest import (ROOT, TINY, free_port, make_shards, read_log, run_training, train_here,
                       write_hellaswag)
 from gpt2_ddp import checkpoints, runs
+from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
 
@@ -1124,3 +1126,19 @@ def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_release
         with refused:
             checkpoints.lock(out)
         first.close()
+
+
+def test_an_atomic_write_syncs_the_new_file_before_the_rename_and_its_directory_after(tmp_path,
+                                                                                     monkeypatch):
+    """A kill or power loss leaves the old file or the new one: the new bytes reach the disk before
+    the rename makes them the file, and the rename once its directory is synced."""
+    path, synced, fsync = tmp_path / "state.pt", [], os.fsync
+    path.write_bytes(b"old")
+
+    def recording(fd):
+        kind = "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        synced.append((kind, path.read_bytes()))
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording)
+    atomic_write(path, lambda f: f.write(b"new"))
+    assert synced == [("file", b"old"), ("directory", b"new")]

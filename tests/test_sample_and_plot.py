@@ -415,7 +415,11 @@ def test_panels_without_data_are_left_out_and_the_hellaswag_references_drawn_bes
     mfu = figures[2].axes[3]
     assert mfu.get_title() == "MFU (%)" and list(mfu.lines[0].get_ydata()) == [40.0]
     plot.plot({"run": [{"step": 1, "lr": 1e-3}]}, tmp_path / "plot.png")  # the loss panel stays, empty
-    assert [text.get_text() for text in figures[3].axes[0].texts] == ["no loss in these logs"]
+    empty = figures[3].axes[0]
+    assert [text.get_text() for text in empty.texts] == ["no loss in these logs"]
+    note = empty.texts[0]  # in the middle of the panel, whatever its axes' limits
+    assert note.get_position() == (0.5, 0.5) and note.get_transform() == empty.transAxes
+    assert (note.get_horizontalalignment(), note.get_verticalalignment()) == ("center", "center")
 
 
 def test_a_logged_number_without_a_panel_gets_a_panel_titled_by_its_key(tmp_path, monkeypatch):

@@ -197,7 +197,7 @@ def test_a_download_without_every_example_is_refused_and_leaves_no_file(tmp_path
     target = tmp_path / "data" / "hellaswag" / "hellaswag_val.jsonl"  # a fresh clone has no data/ yet
     with pytest.raises(UserError) as excinfo:
         hellaswag.download(target)
-    assert str(excinfo.value) == (f"{short.as_uri()} gave 3 lines, not the {hellaswag.VAL_EXAMPLES} examples "
+    assert str(excinfo.value) == (f"{short.as_uri()} gave 3 lines, not the 10042 examples "
                                   f"of HellaSwag's validation split: try again, or download it by hand to "
                                   f"{target}")
     assert not target.exists()

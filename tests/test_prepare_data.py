@@ -759,6 +759,15 @@ def test_fewer_than_one_worker_is_refused_by_the_parser(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sample_by_other_than_document_or_paragraph_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run("--sample_by", "line", "--output_dir", tmp_path / "out")
+    err = capsys.readouterr().err  # argparse quotes the choices on some Python versions, not others
+    assert re.search(r"error: argument --sample_by: invalid choice: 'line' \(choose from "
+                     r"'?document'?, '?paragraph'?\)\n$", err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_input_that_is_not_a_file_or_is_matched_twice_is_named(tmp_path):
     (tmp_path / "books.txt").mkdir()
     (tmp_path / "gone.txt").symlink_to(tmp_path / "moved.txt")

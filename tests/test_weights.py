@@ -83,7 +83,7 @@ def test_init_from_trains_contiguous_copies_of_the_weights_drawing_none_at_rando
     torch.manual_seed(config.seed)
     assert torch.equal(torch.get_rng_state(), rng)
     assert tied_names(model) == tied_names(GPT(config))
-    assert not state["transformer.h.0.attn.c_attn.weight"].is_contiguous()  # what is copied here
+    assert not state["transformer.h.0.attn.c_attn.weight"].is_contiguous()  # the file's (in, out) layout
     file_storage = {tensor.untyped_storage().data_ptr() for tensor in state.values()}
     for name, param in model.named_parameters():
         assert param.is_contiguous() and param.untyped_storage().data_ptr() not in file_storage, name

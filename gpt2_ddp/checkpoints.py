@@ -5,6 +5,7 @@ open_out_dir() and load_newest() are collectives; the rest runs on rank 0, or on
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -242,8 +243,8 @@ class OutDir:
 
     def start(self, start_step, resumed_from, overwrite):
         """Before the first step: removes the temp files of killed saves, then cuts log.jsonl to
-        the records up to start_step (none on a fresh start), or with `overwrite` (a list of
-        checkpoints) sets it aside. Raises UserError if out_dir can't be written or one of those deleted."""
+        the records up to start_step; on a fresh start it keeps an earlier run's log.jsonl as
+        log.N.jsonl (the first N free), or with `overwrite` (a list of checkpoints) sets it aside. Raises UserError if out_dir can't be written or one of those deleted."""
         self.protected = {resumed_from} - {None}
         if self.unmake:
             self.unmake.detach()
@@ -258,6 +259,12 @@ class OutDir:
             for stale in self.path.glob("*.tmp"):
                 if stale.name in OWN_TEMPS or step_of(stale.name.removesuffix(".tmp")) is not None:
                     stale.unlink()
+            fresh = resumed_from is None and not overwrite or self.old_log.exists()
+            if fresh and self.log_path.exists() and self.log_path.stat().st_size:
+                n = next(n for n in itertools.count(1) if not (self.path / f"log.{n}.jsonl").exists())
+                aside = self.path / f"log.{n}.jsonl"
+                os.replace(self.log_path, aside)  # a run with no checkpoint to resume keeps its records
+                print(f"kept the records of an earlier run with no checkpoint here as {aside}", flush=True)
             if self.old_log.exists():  # an overwrite ended before its first checkpoint
                 os.replace(self.old_log, self.log_path)
             if overwrite:
@@ -267,7 +274,7 @@ class OutDir:
                 return
             lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
             kept = []
-            for line in lines if resumed_from is not None else []:
+            for line in lines:
                 try:
                     record = json.loads(line)
                     if int(record["step"]) <= start_step:

@@ -843,6 +843,29 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
     assert [s["step"] for s in read_log(out)[0]] == [1, 2] and not (out / "log.jsonl.old").exists()
 
 
+def test_a_rerun_with_no_checkpoint_to_resume_keeps_every_earlier_log_line(good_run, tmp_path):
+    """An out_dir whose checkpoints were moved away (or a run killed before its first save, which
+    left none): the rerun starts afresh, keeps the earlier log.jsonl whole as log.1.jsonl and the
+    next as log.2.jsonl, says so, and read_log and scripts.plot read what is kept."""
+    out, _ = copy_run(good_run, tmp_path)
+    first = (out / "log.jsonl").read_text()
+    for path in out.glob("ckpt_*.pt"):
+        path.rename(tmp_path / path.name)
+    args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--out_dir={out}", "--checkpoint_interval=0"]
+    stdout = run_training([*args, "--max_steps=2"]).stdout
+    assert f"kept the records of an earlier run with no checkpoint here as {out / 'log.1.jsonl'}" in stdout
+    second = (out / "log.jsonl").read_text()
+    for path in out.glob("ckpt_*.pt"):
+        path.unlink()  # this test's own run
+    run_training([*args, "--max_steps=1"])
+    assert (out / "log.1.jsonl").read_text() == first and (out / "log.2.jsonl").read_text() == second
+    assert [r["step"] for r in read_log(out)[0]] == [1]
+    assert [r["step"] for r in runs.read_log(out / "log.1.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    subprocess.run([sys.executable, "-m", "scripts.plot", str(out / "log.1.jsonl"), "--out",
+                    str(tmp_path / "kept.png")], cwd=ROOT, check=True, capture_output=True)
+    assert (tmp_path / "kept.png").stat().st_size > 0
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(good_run, tmp_path):
     """A checkpoint write that fails (here: past a 200 KB file-size limit, EFBIG, as ENOSPC would)
     ends the run in one line; the temp file is gone, the older checkpoints are intact, and the

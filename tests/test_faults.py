@@ -824,13 +824,14 @@ def test_overwrite_deletes_nothing_before_the_run_saves_and_two_datasets_are_ref
     err = train_error(*never, f"--data_dir={data}")
     assert f"{data} holds the shards of 2 datasets (other, tiny): pass --dataset=NAME" in err
     # a run that fails after it began (diverged) leaves the old log aside, which the next run with
-    # resume=auto puts back, resuming from the old checkpoints
+    # resume=auto puts back, resuming from the old checkpoints, and keeps the diverged run's beside
     err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", "--max_lr=1e30", "--max_steps=20")
     assert "the loss or gradient norm was not finite in steps 2-4" in err
     assert {p.name: p.read_bytes() for p in out.glob("ckpt_*.pt")} == before
     assert (out / "log.jsonl.old").read_text() == log_before
     run_training([*SMALL, f"--data_dir={data}", "--dataset=tiny", f"--out_dir={out}", "--max_steps=5"])
     assert [s["step"] for s in read_log(out)[0]] == list(range(1, 6)) and not (out / "log.jsonl.old").exists()
+    assert [r["step"] for r in runs.read_log(out / "log.1.jsonl")] == [1, 2, 3, 4]  # the diverged run's
 
     sample = ["--sample_interval=1", "--sample_prompt=", "--sample_tokens=4"]
     err = train_error(*never, f"--data_dir={data}", "--dataset=tiny", *sample)

@@ -134,7 +134,11 @@ def load_config(argv, config_class, rules):
         try:  # utf-8-sig: a byte order mark, as some Windows editors write, is no TOML error
             values.update(tomllib.loads(path.read_bytes().decode("utf-8-sig")))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config file {path} is not valid TOML: {e}") from None
+            # tomllib says "Cannot overwrite a value" of a key given twice
+            message = re.sub(r"^is not valid TOML: Cannot overwrite a value \(at (.*)\)$",
+                             r"gives a key twice, the second time at \1: keep one of them",
+                             f"is not valid TOML: {e}")
+            raise UserError(f"config file {path} {message}") from None
         argv = argv[1:]
     while argv:
         arg, argv = argv[0], argv[1:]
@@ -160,6 +164,15 @@ def load_config(argv, config_class, rules):
         if not (value in allowed if isinstance(allowed, tuple) else allowed(value)):
             raise UserError(f"config key {key!r} must be {rule}, got {value!r}")
     return config
+
+
+def check_options(parser, args, rules):
+    """Ends with parser.error(`--key must be RULE, got VALUE`) at the first option of args, as parser parsed
+    them, that breaks its rule; `rules` maps option names to (a predicate, the rule in words), as
+    load_config's rules do."""
+    for key, (allowed, rule) in rules.items():
+        if not allowed(getattr(args, key)):
+            parser.error(f"--{key} must be {rule}, got {getattr(args, key)}")
 
 
 def toml_value(value):

@@ -176,8 +176,7 @@ def main(argv):
                         help="also run the config (with its own compile setting) at these B")
     parser.add_argument("--out_dir", default="out/bench", help="each variant's run in a directory here")
     args, train_args = parser.parse_known_args(argv)
-    if min(args.nproc, args.steps) < 1:
-        parser.error("--nproc and --steps must be >= 1")
+    configurator.check_options(parser, args, dict.fromkeys(["nproc", "steps"], (lambda n: n >= 1, ">= 1")))
     variants = plan(args.variants, args.micro_batch_sizes)
     for name, _ in variants:  # before any variant trains: bench.py replaces only its own runs
         out = Path(args.out_dir) / name

@@ -68,10 +68,10 @@ def main(argv):
                         "prefill, one for the one-token decode step at any position (the first "
                         "tokens compile for a minute; on CPU that costs more than it saves)")
     args = parser.parse_args(argv)
-    if (not 0 < args.temperature < math.inf  # nan too, which would make every probability nan
-            or args.top_k < 0 or args.num_samples < 1 or args.max_new_tokens < 0):
-        parser.error("--temperature must be finite and > 0, --top_k >= 0, --num_samples >= 1, "
-                     "--max_new_tokens >= 0")
+    configurator.check_options(parser, args, {
+        "temperature": (lambda t: 0 < t < math.inf, "finite and > 0"),  # nan would make every probability nan
+        "top_k": (lambda k: k >= 0, ">= 0 (0: all)"), "num_samples": (lambda n: n >= 1, ">= 1"),
+        "max_new_tokens": (lambda n: n >= 0, ">= 0")})
     if not -2**63 <= args.seed < 2**64:
         parser.error(f"--seed must be in [-2**63, 2**64), the range torch seeds from; got {args.seed}")
     device = named_device(args.device)

@@ -160,7 +160,7 @@ def test_train_gpt2_help_values_read_back_as_the_defaults_in_toml():
 
 @pytest.mark.parametrize("name, argv, message", [
     ("scripts.check_equivalence", ["--world_sizes", "1", "0"], "--world_sizes must be >= 1"),
-    ("scripts.bench", ["--nproc", "0"], "--nproc and --steps must be >= 1"),
+    ("scripts.bench", ["--nproc", "0"], "--nproc must be >= 1, got 0"),
 ])
 def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, capsys):
     """torchrun itself answers --nproc_per_node=0 with a traceback."""
@@ -168,6 +168,22 @@ def test_a_world_size_below_1_is_one_line_before_any_run(name, argv, message, ca
         importlib.import_module(name).main(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("scripts.sample", ["out/x", "--top_k", "-3"], "--top_k must be >= 0 (0: all), got -3"),
+    ("scripts.sample", ["out/x", "--num_samples", "0"], "--num_samples must be >= 1, got 0"),
+    ("scripts.sample", ["out/x", "--max_new_tokens", "-1"], "--max_new_tokens must be >= 0, got -1"),
+    ("scripts.sample", ["out/x", "--temperature", "0"], "--temperature must be finite and > 0, got 0.0"),
+    ("scripts.bench", ["--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_an_option_that_breaks_its_rule_is_one_line_naming_it_its_value_and_the_rule(name, argv, message,
+                                                                                      capsys):
+    """The error names the one option at fault, not every option's rule."""
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(name).main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f" error: {message}")
 
 
 def test_check_equivalence_shows_the_run_and_step_it_is_on(tiny_data, tmp_path, capsys):
@@ -343,6 +359,14 @@ def test_a_config_file_after_an_override_or_as_config_is_one_line_saying_where_i
     with pytest.raises(UserError, match="^pass the config file first and without --config: "
                                         rf"CONFIG.toml \[--key=value ...\] \({message}\)$"):
         train_gpt2.load_config(argv)
+
+
+def test_a_key_given_twice_in_a_config_file_is_one_line_with_its_line_and_the_fix(tmp_path):
+    path = tmp_path / "twice.toml"
+    path.write_text("max_steps = 3\nmax_steps = 4\n")
+    with pytest.raises(UserError, match=f"^config file {re.escape(str(path))} gives a key twice, the second "
+                                        f"time at line 2, column 14: keep one of them$"):
+        train_gpt2.load_config([str(path)])
 
 
 def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):

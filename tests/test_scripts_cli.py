@@ -69,3 +69,13 @@ def test_a_boolean_other_than_true_or_false_is_one_line(value, monkeypatch, tmp_
     toml.write_text(f"compile = {1 if value == '1' else repr(value)}\n")
     with pytest.raises(configurator.UserError, match="as bool: pass true or false$"):
         train_gpt2.load_config([str(toml)])
+
+
+def test_a_sample_or_bench_option_that_breaks_its_rule_names_it_its_value_and_the_rule():
+    """The line after the usage names the option given, its value and its rule, not every option's rule."""
+    results = run_all([["-m", "scripts.sample", "out/x", "--top_k", "-3"],
+                       ["-m", "scripts.bench", "--nproc", "0"]])
+    assert [(err.splitlines()[-1], out, code) for out, err, code in results] == [
+        ("python -m scripts.sample: error: --top_k must be >= 0 (0: all), got -3", "", 2),
+        ("python -m scripts.bench: error: --nproc must be >= 1, got 0", "", 2)]
+    assert all(err.startswith("usage: ") for _, err, _ in results)

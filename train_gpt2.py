@@ -712,9 +712,11 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
             raise UserError(f"checkpoint {path} was trained with optimizer={saved['optimizer']} and "
                             f"parameter groups of {groups} tensors, which this run's optimizer cannot "
                             f"continue: keep its optimizer, or {new_run}")
-        if saved["data_order"] != config.data_order:
-            raise UserError(f"checkpoint {path} read its data in data_order={saved['data_order']}: "
-                            f"resume with --data_order={saved['data_order']}, or {new_run}")
+        if saved["data_order"] != config.data_order or (  # the shuffled order's rows depend on seq_len
+                config.data_order == "shuffled" and saved["seq_len"] != config.seq_len):
+            raise UserError(f"checkpoint {path} read its data in data_order={saved['data_order']} at "
+                            f"seq_len={saved['seq_len']}: resume with --data_order={saved['data_order']} "
+                            f"--seq_len={saved['seq_len']}, or {new_run}")
         then, now = ckpt["loader"]["shards"], train_loader.state_dict()["shards"]
         if then != now and not config.allow_new_data:  # the saved position would point elsewhere
             was, is_now = next((a, b) for a, b in zip(then + [None], now + [None]) if a != b)
@@ -765,10 +767,12 @@ def note_schedule(config, saved, step):
             f"so the lr never decays; lower --warmup_steps")
     changed = [k for k in SCHEDULE_KEYS if saved and saved[k] != getattr(config, k)]
     if changed:
-        before = get_lr(step, dataclasses.replace(config, **{k: saved[k] for k in changed}))
+        before, now = (f"{get_lr(step, c):.4e}" for c in (
+            dataclasses.replace(config, **{k: saved[k] for k in changed}), config))
         log("the schedule changes from the checkpoint's: "
             + ", ".join(f"{k} {saved[k]} -> {getattr(config, k)}" for k in changed)
-            + f"; the lr of step {step + 1} is {get_lr(step, config):.4e}, not {before:.4e}")
+            + f"; the lr of step {step + 1} is {now}"
+            + (f", not {before}" if now != before else ", as before; later steps follow the new schedule"))
 
 
 def every(interval, step, config):

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import weakref
+import zipfile
 from pathlib import Path
 
 import torch
@@ -64,6 +65,9 @@ def lock(out_dir):
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         f = open(out_dir / ".lock", "a+")
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"out_dir {out_dir} is a file or lies inside one: pass a directory as "
+                        f"--out_dir") from None
     except OSError as e:
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror}; pass a writable "
                         f"--out_dir") from None
@@ -174,6 +178,9 @@ class NotOurs(Unloadable):
 def load(path):
     """The state that save() wrote, on the CPU (memory-mapped, so ranks on one node share the
     pages), after checking its keys and checksum. Raises Unloadable with the reason in one line."""
+    if not zipfile.is_zipfile(path):  # torch.load's message for it is about save() options
+        raise Unloadable(f"not the zip archive torch.save writes, but {os.path.getsize(path)} bytes of "
+                         f"something else: a save cut short, or another file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch.load raises many kinds for a file cut short or not a zip
@@ -212,7 +219,7 @@ def newest_loadable(out_dir, warn):
         return path, state
     if damaged:
         raise UserError(f"no checkpoint in {out_dir} can be loaded (the oldest: {damaged[-1][1]}); "
-                        f"pass --resume=never --overwrite=true to start over, or another --out_dir")
+                        f"move the ckpt_*.pt files out of it to start over there, or pass another --out_dir")
     return None, None
 
 
@@ -244,7 +251,8 @@ class OutDir:
     def start(self, start_step, resumed_from, overwrite):
         """Before the first step: removes the temp files of killed saves, then cuts log.jsonl to
         the records up to start_step; on a fresh start it keeps an earlier run's log.jsonl as
-        log.N.jsonl (the first N free), or with `overwrite` (a list of checkpoints) sets it aside. Raises UserError if out_dir can't be written or one of those deleted."""
+        log.N.jsonl (the first N free), or with `overwrite` (a list of checkpoints) sets it aside.
+        Raises UserError if out_dir can't be written or one of those deleted."""
         self.protected = {resumed_from} - {None}
         if self.unmake:
             self.unmake.detach()

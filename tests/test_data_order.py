@@ -164,10 +164,14 @@ def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_p
     ckpt = sorted(tmp_path.glob("ckpt_*.pt"))[-1]
     with pytest.raises(UserError) as refused:
         train_here([*args, f"--max_steps={STEPS + 1}", f"--data_order={now}"])
-    assert str(refused.value) == (
-        f"checkpoint {ckpt} read its data in data_order={then}: "
-        f"resume with --data_order={then}, or start a new run from its weights with --out_dir=NEW_DIR "
-        f"--init_from={tmp_path}")
+    again = (f"resume with --data_order={then} --seq_len=16, or start a new run from its weights with "
+             f"--out_dir=NEW_DIR --init_from={tmp_path}")
+    assert str(refused.value) == f"checkpoint {ckpt} read its data in data_order={then} at seq_len=16: {again}"
+    if then == "shuffled":  # its rows start at other tokens at another seq_len
+        with pytest.raises(UserError) as refused:
+            train_here([*args, f"--max_steps={STEPS + 1}", "--data_order=shuffled", "--seq_len=8"])
+        assert str(refused.value) == f"checkpoint {ckpt} read its data in data_order={then} at seq_len=16: {again}"
+
 
 
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,

@@ -232,12 +232,16 @@ def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     data = (tmp_path / "ckpt_0000002.pt").read_bytes()
     (tmp_path / "ckpt_0000002.pt").write_bytes(data[: len(data) // 2])
     out = run_training([*args, "--max_steps=3"]).stdout
-    assert f"warning: cannot load checkpoint {tmp_path}/ckpt_0000002.pt (RuntimeError: " in out
+    assert (f"warning: cannot load checkpoint {tmp_path}/ckpt_0000002.pt (not the zip archive torch.save "
+            f"writes, but {len(data) // 2} bytes of something else: a save cut short, or another file)") in out
     assert f"resumed from {tmp_path}/ckpt_0000001.pt at step 1" in out
     assert [s["step"] for s in read_log(tmp_path)[0]] == [1, 2, 3]
     for path in tmp_path.glob("ckpt_*.pt"):
         path.write_bytes(b"")
-    assert f"error: no checkpoint in {tmp_path} can be loaded" in train_error(*extra)
+    assert train_error(*extra).endswith(
+        f"error: no checkpoint in {tmp_path} can be loaded (the oldest: not the zip archive torch.save "
+        f"writes, but 0 bytes of something else: a save cut short, or another file); move the ckpt_*.pt "
+        f"files out of it to start over there, or pass another --out_dir\n")
 
 
 def test_resume_keeps_the_log_up_to_its_checkpoint(tmp_path):
@@ -474,8 +478,10 @@ def test_unwritable_out_dir_fails_before_training(tmp_path):
     make_shards(data)
     blocker = tmp_path / "file"
     blocker.write_text("a file where out_dir's parent should be")
-    err = train_error(f"--data_dir={data}", f"--out_dir={blocker}/out")
-    assert f"cannot write to out_dir {blocker}/out" in err
+    for out_dir in (blocker, blocker / "out"):
+        err = train_error(f"--data_dir={data}", f"--out_dir={out_dir}")
+        assert err.endswith(f"error: out_dir {out_dir} is a file or lies inside one: pass a directory as "
+                            f"--out_dir\n")
 
 
 def test_killed_prepare_data_leaves_no_shard_and_a_rerun_completes(tmp_path):
@@ -661,8 +667,8 @@ def test_when_no_checkpoint_loads_the_error_gives_the_oldest_ones_reason_and_ren
     checkpoints.path_of(tmp_path, 2).write_bytes(b"not a checkpoint")
     oldest = "not a train_gpt2.py checkpoint: no optimizer, config, step, loader, sha256"
     with pytest.raises(UserError, match=rf"^no checkpoint in {tmp_path} can be loaded \(the oldest: {oldest}\); "
-                                        rf"pass --resume=never --overwrite=true to start over, or another "
-                                        rf"--out_dir$"):
+                                        rf"move the ckpt_\*\.pt files out of it to start over there, or "
+                                        rf"pass another --out_dir$"):
         checkpoints.newest_loadable(tmp_path, lambda line: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
 
@@ -786,8 +792,8 @@ def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_
     assert f"out_dir {out} is in use by another run (pid 12345 on elsewhere); wait for it" in err
     blocker = tmp_path / "file"
     blocker.write_text("")
-    for bad, message in ([f"--out_dir={blocker}/out"], f"cannot write to out_dir {blocker}/out: Not a "
-                         f"directory; pass a writable --out_dir"), \
+    for bad, message in ([f"--out_dir={blocker}/out"], f"out_dir {blocker}/out is a file or lies inside "
+                         f"one: pass a directory as --out_dir"), \
                         (["--n_head=3", f"--out_dir={out}"], "n_embd=32 is not divisible by n_head=3"):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node=2", "train_gpt2.py", *TINY,

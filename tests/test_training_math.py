@@ -177,6 +177,11 @@ def test_a_resume_names_every_lr_key_it_changes(capsys):
         train_gpt2.note_schedule(config, saved, 10)
         assert (f"the schedule changes from the checkpoint's: {key} {saved[key]} -> {getattr(config, key)}; "
                 f"the lr of step 11 is ") in capsys.readouterr().out
+    saved = {**dataclasses.asdict(config), "max_steps": config.max_steps * 2}  # warmup's lrs stay
+    train_gpt2.note_schedule(config, saved, 0)
+    assert capsys.readouterr().out.endswith(
+        f"max_steps {saved['max_steps']} -> {config.max_steps}; the lr of step 1 is "
+        f"{train_gpt2.get_lr(0, config):.4e}, as before; later steps follow the new schedule\n")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

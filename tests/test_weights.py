@@ -293,8 +293,8 @@ def write_damaged(path, kind):
     ("empty", "{path} is not a train_gpt2.py checkpoint \\(it is empty\\); pass a ckpt_NNNNNNN.pt"),
     ("foreign", "{path} is not a train_gpt2.py checkpoint \\(it holds no optimizer, config, step, loader, "
                 "sha256\\); pass a ckpt_NNNNNNN.pt"),
-    ("cut", "cannot load checkpoint {path} \\(RuntimeError: .*\\); pass an older ckpt_\\*.pt of its "
-            "out_dir$"),
+    ("cut", "cannot load checkpoint {path} \\(not the zip archive torch.save writes, but 200 bytes of "
+            "something else: a save cut short, or another file\\); pass an older ckpt_\\*.pt of its out_dir$"),
     ("tampered", "cannot load checkpoint {path} \\(its contents do not match its checksum: the file is "
                  "corrupt\\); pass an older ckpt_\\*.pt of its out_dir$"),
 ])

@@ -418,16 +418,16 @@ class GPT(nn.Module):
 
 def init_from(config, weights=True):
     """(config with init_from's model shape, its state dict): (config, None) for scratch, and no
-    state dict without `weights` (a run that resumes takes its own). Model keys left at their
+    state dict without `weights`: a run that resumes takes its shape and weights from its own out_dir's
+    newest checkpoint. Model keys left at their
     defaults take the checkpoint's values; raises UserError for one set otherwise, or for seq_len
     > block_size."""
     if config.init_from == "scratch":
         return config, None
-    try:
-        shape, state = gpt2_weights.load_weights(config.init_from, weights)
-    except UserError as e:  # a resume takes only the model's shape, which its checkpoint has too
-        raise e if weights else UserError(f"{e}; to resume from {config.out_dir}, which holds the "
-                                          f"weights, pass --init_from={config.out_dir} for the shape")
+    if not weights:  # its own checkpoint has the shape, whatever init_from names now or if it is gone
+        log(f"init_from={config.init_from} is not used on a resume: {config.out_dir}'s checkpoint holds "
+            f"the model")
+    shape, state = gpt2_weights.load_weights(config.init_from if weights else config.out_dir, weights)
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]
@@ -440,7 +440,7 @@ def init_from(config, weights=True):
                         f"block_size={config.block_size}: pass --seq_len={config.block_size}")
     if state is not None:
         gpt2_weights.check_weights(state, meta_model(config).state_dict(), config.init_from)
-    log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
+        log(f"init_from {config.init_from}: {config.n_layer} layers, n_embd {config.n_embd}")
     return config, state
 
 

@@ -1132,15 +1132,29 @@ def test_a_missing_compiler_is_one_line_naming_compile_false(good_run, tmp_path)
 
 
 def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
-    from train_gpt2 import load_config, init_from
+    from train_gpt2 import load_config
     assert "config key 'out_dir' must be a path, not empty, got ''" in train_error("--out_dir=", process=True)
     monkeypatch.setenv("HOME", str(tmp_path))
     config = load_config(["--out_dir=~/runs/x", "--data_dir=~/data", "--init_from=~/gone"])
-    assert (config.out_dir, config.data_dir) == (f"{tmp_path}/runs/x", f"{tmp_path}/data")
-    # a resume needs init_from only for the shape: its own checkpoint gives that too
-    with pytest.raises(UserError, match=rf"{tmp_path}/gone .*; to resume from {tmp_path}/runs/x, which "
-                                        rf"holds the weights, pass --init_from={tmp_path}/runs/x for the shape$"):
-        init_from(config, weights=False)
+    assert (config.out_dir, config.data_dir, config.init_from) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/data", f"{tmp_path}/gone")
+
+
+def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(good_run, tmp_path):
+    """A run started from another run's weights (init_from) saves its own checkpoints: once that
+    source is deleted, the same command resumes, saying that init_from is not used on a resume."""
+    source, _ = copy_run(good_run, tmp_path)
+    tune = tmp_path / "tune"
+    args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--init_from={source}", f"--out_dir={tune}",
+            "--checkpoint_interval=1"]
+    first = run_training([*args, "--max_steps=2"]).stdout
+    assert f"init_from {source}: 2 layers" in first and "not used on a resume" not in first
+    shutil.rmtree(source)
+    second = run_training([*args, "--max_steps=3"]).stdout
+    assert f"init_from={source} is not used on a resume: {tune}'s checkpoint holds the model\n" in second
+    assert "init_from " not in second.replace(f"init_from={source} is not used", "")
+    assert f"resumed from {tune}/ckpt_0000002.pt at step 2" in second
+    assert [r["step"] for r in read_log(tune)[0]] == [1, 2, 3]
 
 
 def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_released(tmp_path):

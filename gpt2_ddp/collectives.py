@@ -133,12 +133,16 @@ STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + [signal.SIGHUP] * hasattr(signa
 
 def catch_stop_signals(device):
     """Makes the STOP_SIGNALS (Ctrl-C, a scheduler's before a kill, a closed ssh's) ask the loop to save
-    and exit, and a second one end it at once. Returns the StopSignals the handler appends them to."""
+    and exit, and a second one end it at once; the first one's line says so at once (rank 0's). Returns
+    the StopSignals the handler appends them to."""
     received = StopSignals(device)
 
     def handler(signum, frame):
         received.append(signum)
         signal.signal(signum, signal.SIG_DFL)
+        if len(received) == 1 and int(os.environ.get("RANK", 0)) == 0:  # os.write: a print may be mid-line
+            os.write(1, f"got {signal.Signals(signum).name}: the run saves after this step (an evaluation "
+                        f"ends early) and exits; a second stop signal ends it without saving\n".encode())
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)

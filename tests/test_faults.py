@@ -109,6 +109,7 @@ def test_sigterm_or_sighup_to_torchrun_saves_a_checkpoint_and_the_rerun_continue
     last = steps[-1]["step"]
     assert f"stopped by {signum.name} after step {last}, which is saved; rerun the same command to " \
            f"resume" in output
+    assert output.count(f"got {signum.name}: the run saves after this step") == 1  # rank 0's alone
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{last:07d}.pt"]
     assert "Traceback" not in output.split("stopped by")[0]  # the workers raised nothing
     if signum == signal.SIGHUP:
@@ -121,7 +122,7 @@ def test_sigterm_or_sighup_to_torchrun_saves_a_checkpoint_and_the_rerun_continue
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
 
-def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, tmp_path):
+def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, tmp_path, capfd):
     proc = subprocess.Popen([sys.executable, "train_gpt2.py", *RUN, f"--data_dir={data_dir}",
                              f"--out_dir={tmp_path}", "--max_steps=100000"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -130,15 +131,19 @@ def test_ctrl_c_in_one_process_saves_and_a_second_signal_ends_at_once(data_dir, 
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT and err == ""
     assert out.splitlines()[-1].startswith("stopped by SIGINT after step ")
+    assert out.count("got SIGINT: the run saves after this step (an evaluation ends early) and exits; a "
+                     "second stop signal ends it without saving\n") == 1
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
 
     from gpt2_ddp.collectives import catch_stop_signals
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         received = catch_stop_signals(torch.device("cpu"))
+        capfd.readouterr()
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the loop is asked to stop
+        assert capfd.readouterr().out.startswith("got SIGTERM: the run saves after this step")  # at once
         os.kill(os.getpid(), signal.SIGHUP)  # a closed ssh connection's, to plain python
-        assert received == [signal.SIGTERM, signal.SIGHUP]
+        assert received == [signal.SIGTERM, signal.SIGHUP] and capfd.readouterr().out == ""
         assert received.first() == signal.SIGTERM  # the one the run's last line and exit code name
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the next one kills at once
     finally:

@@ -295,7 +295,8 @@ class DocumentRows:
 
     def __init__(self, paths, sizes, row_tokens, token, seed, split):
         rows, offset = [], 0
-        for path, size in zip(paths, sizes):
+        for path, size in tqdm(list(zip(paths, sizes)), "finding document starts", unit="shard", delay=1,
+                               disable=int(os.environ.get("RANK", 0)) != 0):  # the first run over new shards
             docs = document_starts(path, token)
             docs = docs[docs + row_tokens <= size]
             following = np.searchsorted(docs, docs + row_tokens - 1).tolist()
@@ -308,7 +309,8 @@ class DocumentRows:
         self.rows, self.seed, self.epoch, self.order = np.concatenate(rows), seed, None, None
         if len(self.rows) == 0:
             raise UserError(f"the {split} holds no row of seq_len+1 = {row_tokens} tokens that starts at "
-                            f"an <|endoftext|> (a document start): pass --data_order=sequential")
+                            f"an <|endoftext|> (a document start) and fits in its shard (the longest "
+                            f"holds {max(sizes)} tokens): pass --data_order=sequential")
 
     def __len__(self):
         return len(self.rows)

@@ -225,13 +225,22 @@ def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_pa
         assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()
 
 
-def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_path):
-    """A shard whose only document starts fewer than T + 1 tokens before its end: the shuffled order
-    has nothing to read and names the order that does."""
+def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_path, monkeypatch):
+    """A shard whose only document starts fewer than T + 1 tokens before its end, then shards each
+    shorter than a row: the shuffled order has nothing to read, says how long the longest shard is,
+    and names the order that does. Its scan of the shards has a progress bar (shown after a second)."""
+    from gpt2_ddp import shards
+    bars = []
+    monkeypatch.setattr(shards, "tqdm", lambda *args, **kwargs: bars.append(args[1]) or args[0])
     tail_doc = np.concatenate([np.arange(3 * T), [EOT_TOKEN], np.arange(T - 1)])
     write_shard(tmp_path / "docs_val_000000.bin", tail_doc)
-    write_shard(tmp_path / "docs_train_000001.bin", tail_doc)
-    with pytest.raises(UserError, match=f"^the train split in {tmp_path} holds no row of seq_len\\+1 = "
-                                        f"{T + 1} tokens that starts at an <\\|endoftext\\|> \\(a document "
-                                        f"start\\): pass --data_order=sequential$"):
-        shuffled(tmp_path)
+    for shard, longest in ((tail_doc, 4 * T), (np.full(T, EOT_TOKEN), T)):
+        for name in ("docs_train_000001.bin", "docs_train_000002.bin"):
+            write_shard(tmp_path / name, shard)
+        with pytest.raises(UserError) as refused:
+            shuffled(tmp_path)
+        assert str(refused.value) == (
+            f"the train split in {tmp_path} holds no row of seq_len+1 = {T + 1} tokens that starts at an "
+            f"<|endoftext|> (a document start) and fits in its shard (the longest holds {longest} tokens): "
+            f"pass --data_order=sequential")
+    assert bars == ["finding document starts"] * 2

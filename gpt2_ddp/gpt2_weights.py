@@ -33,8 +33,7 @@ JSON_KINDS = {str: "a string", int: "an integer", float: "a float", bool: "a boo
 def load_weights(source, weights=True):
     """(shape: MODEL_KEYS -> values, model state dict or None without `weights`) of any source in
     SOURCES. Raises UserError for any other source, or a damaged one."""
-    path = checkpoints.resolve(source)
-    if path is None:
+    if (path := checkpoints.resolve(source)) is None:
         return load_hf(source, weights)
     try:
         with open(path, "rb") as f:
@@ -156,8 +155,7 @@ def hf_state(file):
 def check_weights(state, expected, source):
     """Raises UserError, naming `source`, unless the state dict `state` loads into a model whose
     state dict is `expected`."""
-    problems = state_mismatch(state, expected)
-    if problems:
+    if problems := state_mismatch(state, expected):
         raise UserError(f"{source} does not hold the GPT-2 this run builds: {problems}")
 
 
@@ -169,6 +167,36 @@ def state_mismatch(state, expected):
     problems = [("missing", [k for k in expected if k not in state][:3]),
                 ("unexpected", [k for k in state if k not in expected][:3]), ("shapes:", wrong[:2])]
     return "; ".join(f"{what} {found}" for what, found in problems if found)
+
+
+def check_gpt2(model, source):
+    """`model` (train_gpt2's GPT, or a fork's) if it is GPT-2, the one architecture that save_hf
+    writes and transformers' GPT2LMHeadModel computes: GPT-2's keys and shapes for model.config
+    (biases only where config.bias), then LayerNorm norms of eps 1e-5, the tanh GELU, and an lm_head
+    that is wte (or equal to it). Otherwise raises UserError, naming `source` and the first keys or
+    modules that differ."""
+    config, C = model.config, model.config.n_embd
+    block = {"ln_1": (C,), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C), "ln_2": (C,),
+             "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+    layers = {f"h.{i}.{k}": s for i in range(config.n_layer) for k, s in block.items()} | {"ln_f": (C,)}
+    shapes = {"wte.weight": (config.vocab_size, C), "wpe.weight": (config.block_size, C)}
+    for name, shape in layers.items():
+        shapes[f"{name}.weight"] = shape
+        if config.bias:
+            shapes[f"{name}.bias"] = shape[:1]
+    expected = {f"transformer.{k}": torch.empty(s, device="meta") for k, s in shapes.items()}
+    expected["lm_head.weight"] = expected["transformer.wte.weight"]
+    # a module's repr names its type and settings: a norm's shape and eps, the GELU's approximation
+    wanted = {f"transformer.{n}": torch.nn.LayerNorm(C, bias=config.bias) for n in layers if "ln_" in n}
+    wanted |= {f"transformer.h.{i}.mlp.gelu": torch.nn.GELU("tanh") for i in range(config.n_layer)}
+    modules, state = dict(model.named_modules()), model.state_dict()
+    problems = state_mismatch(state, expected) or "; ".join(
+        [f"{n} is {modules.get(n)!r}" for n, m in wanted.items() if repr(modules.get(n)) != repr(m)][:2])
+    if not problems and not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]):
+        problems = "lm_head.weight is not tied to transformer.wte.weight"
+    if problems:
+        raise UserError(f"{source} is not GPT-2 ({problems}): GPT-2 export needs GPT-2's architecture")
+    return model
 
 
 def save_hf(model_state, config, out_dir):

@@ -1,6 +1,7 @@
 """
 Writes a train_gpt2.py checkpoint as a Hugging Face GPT-2 directory (config.json, model.safetensors
-and GPT-2's tokenizer) that `transformers` loads with no network:
+and GPT-2's tokenizer) that `transformers` loads with no network. A model that is not GPT-2's
+architecture (a fork's RMSNorm, an lm_head apart from wte, other keys) is refused, nothing written:
 
     python -m scripts.export_hf out/shakespeare_cpu out/shakespeare_cpu_hf  # an out_dir's latest
     python -m scripts.export_hf out/gpt2_124m/ckpt_0019073.pt gpt2-124m-repro
@@ -14,7 +15,7 @@ To share it: `hf upload YOUR_NAME/MODEL_NAME out/shakespeare_cpu_hf` (huggingfac
 
 if not __spec__: raise SystemExit("run it as python -m scripts.export_hf from the repository root")
 from gpt2_ddp import configurator
-from gpt2_ddp.gpt2_weights import save_hf
+from gpt2_ddp.gpt2_weights import check_gpt2, save_hf
 from train_gpt2 import GPT
 
 
@@ -23,12 +24,11 @@ def main(argv):
     parser.add_argument("checkpoint", help="a checkpoint file, or an out_dir (its latest checkpoint)")
     parser.add_argument("out_dir", help="the directory to write; must not exist or be empty")
     args = parser.parse_args(argv)
-    model = GPT.from_pretrained(args.checkpoint)
+    model = check_gpt2(GPT.from_pretrained(args.checkpoint), args.checkpoint)
     config = model.config
     save_hf(model.state_dict(), config, args.out_dir)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out_dir}: GPT-2 of {params / 1e6:.1f}M parameters, {config.n_layer} "
-          f"layers, n_embd {config.n_embd}, vocab {config.vocab_size}")
+    print(f"wrote {args.out_dir}: GPT-2 of {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"parameters, {config.n_layer} layers, n_embd {config.n_embd}, vocab {config.vocab_size}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ init_from a transformers checkpoint, the tiny finetune config, and export to a d
 transformers loads with no network, tokenizer included."""
 
 import errno
+import inspect
 import json
 import os
 import subprocess
@@ -13,12 +14,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
-from conftest import ROOT, TINY, make_shards, read_log, run_training, tied_names, write_hellaswag
+import train_gpt2
+from conftest import (ROOT, TINY, make_shards, read_log, run_training, tied_names, train_here,
+                      write_hellaswag)
 from gpt2_ddp import checkpoints
-from gpt2_ddp.gpt2_weights import save_hf
+from gpt2_ddp.gpt2_weights import check_gpt2, save_hf
 from gpt2_ddp.tokenizer import ASSETS_DIR, GPT2_MERGES_PATH, GPT2_VOCAB_PATH, gpt2_encoding
 from scripts import export_hf
 from train_gpt2 import GPT, Config, DataLoader, UserError, build_model, init_from, load_config
@@ -190,7 +194,7 @@ def test_export_keeps_padded_vocab_and_zero_biases_exact(hf_tiny, tmp_path):
     torch.manual_seed(0)
     model = GPT(config).eval()
     assert [name for name, _ in model.named_parameters() if name.endswith("bias")] == []
-    save_hf(model.state_dict(), config, tmp_path / "hf")
+    save_hf(check_gpt2(model, "the model").state_dict(), config, tmp_path / "hf")  # GPT-2 without biases
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -273,6 +277,53 @@ def test_export_of_a_file_that_is_not_a_checkpoint_says_so(tmp_path):
     assert proc.stderr == (f"export_hf.py: error: {notes} is not a train_gpt2.py checkpoint (it is not "
                            f"the zip archive that torch.save writes); pass {SOURCES}\n")
     assert not (tmp_path / "hf").exists()
+
+
+class UntiedGPT(train_gpt2.GPT):
+    """A fork with an lm_head of its own, apart from wte: GPT-2's keys and shapes, other logits."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+
+class RMSNormGPT(train_gpt2.GPT):
+    """A fork with RMSNorm in place of every LayerNorm: with bias=false, GPT-2's keys and shapes."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.transformer.h:
+            block.ln_1, block.ln_2 = nn.RMSNorm(config.n_embd), nn.RMSNorm(config.n_embd)
+        self.transformer.ln_f = nn.RMSNorm(config.n_embd)
+
+
+@pytest.mark.parametrize("fork, bias, refused", [
+    (UntiedGPT, "true", "lm_head.weight is not tied to transformer.wte.weight"),
+    (RMSNormGPT, "false", "transformer.h.0.ln_1 is RMSNorm("),
+    (RMSNormGPT, "true", "missing ['transformer.h.0.ln_1.bias', 'transformer.h.0.ln_2.bias', "
+                         "'transformer.h.1.ln_1.bias']"),
+])
+def test_export_of_a_fork_that_is_not_gpt2_is_one_line_and_writes_nothing(fork, bias, refused,
+                                                                         tiny_data, tmp_path, monkeypatch):
+    """A fork's checkpoint, exported by the fork's own code (a sitecustomize puts the fork in
+    train_gpt2.GPT's place, as a fork's train_gpt2.py has it), is refused in one line naming what is
+    not GPT-2, before anything is written: transformers' GPT2LMHeadModel would compute other logits
+    from it, or refuse it."""
+    out, site = tmp_path / "out", tmp_path / "site"
+    monkeypatch.setattr(train_gpt2, "GPT", fork)
+    train_here([*TINY, f"--bias={bias}", f"--data_dir={tiny_data}", f"--out_dir={out}",
+                "--total_batch_size=32", "--max_steps=1", "--eval_interval=0", "--hellaswag_interval=0"])
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import train_gpt2\nfrom torch import nn\n\n\n"
+                                           f"{inspect.getsource(fork)}\n\ntrain_gpt2.GPT = {fork.__name__}\n")
+    proc = subprocess.run([sys.executable, "-m", "scripts.export_hf", str(out), str(tmp_path / "hf")],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)])))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"export_hf.py: error: {out} is not GPT-2 ({refused}")
+    assert proc.stderr.endswith("): GPT-2 export needs GPT-2's architecture\n")
+    assert proc.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out", "site"]
 
 
 def write_damaged(path, kind):

@@ -16,7 +16,9 @@ form the val split, the rest train, never in one shard. Shards, in llm.c's .bin 
 {name}_manifest.json, beside the shards, holds "inputs" (per file [absolute path, bytes, mtime in ns], or
 [dataset, config, split]), "options" (those that change the shards), "shards" (in file-name order, {"file",
 "bytes", "mtime_ns", "tokens", "max_token_id"}) and the overall "max_token_id". A rerun of the same inputs
-and options does nothing while the shards are there at their listed sizes, else makes them again.
+and options does nothing while the shards are there at their listed sizes, else makes them again. Only
+the shards and manifest of {name} decide that: an output dir may hold several datasets, each of its own
+name, which training picks with --dataset.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import contextlib
 import fcntl
 import glob
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -122,6 +125,16 @@ def _tokenized(parts, workers, docs_per_task=256):
                             f"written; free memory or lower --workers (now {workers}), and rerun") from None
 
 
+def _terminated(signum, frame):
+    """The command's SIGTERM handler: kills the tokenizer workers, which would outlive this process,
+    then ends it by the signal's default action, as without the handler. (Run in a worker, which fork
+    gives a copy of it, it kills no process but the worker.)"""
+    for child in multiprocessing.active_children():
+        child.kill()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
 def _text(name, row, field):
     """The string in `field` of `row`, one document, which `name` names ('FILE line 3'). Raises
     UserError saying what the row holds when that is not an object with a string there."""
@@ -191,13 +204,13 @@ class _ShardWriter:
 
 
 def _token_count(s):
-    """argparse type for token counts: a whole number >= 0, also written like 1e8."""
+    """argparse type for token counts: a whole number, also written like 1e8; _parse_args checks its range."""
     try:
         x = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {s!r}")
-    if not x.is_integer() or x < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 0, got {s!r}")
+    if not x.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {s!r}")
     return int(x)
 
 
@@ -242,11 +255,11 @@ def _parse_args(argv):
     if not args.dataset and (args.dataset_config is not None or args.split != "train"):
         parser.error("--dataset_config and --split only apply to --dataset")
     if not 1 <= args.shard_size <= MAX_SHARD_TOKENS:
-        parser.error(f"--shard_size must be in [1, {MAX_SHARD_TOKENS}]")
+        parser.error(f"--shard_size must be in [1, {MAX_SHARD_TOKENS}], got {args.shard_size}")
     if not 0 < args.val_fraction < 1:
         parser.error("--val_fraction must be in (0, 1): training needs a val split")
-    if args.val_tokens == 0:
-        parser.error("--val_tokens must be >= 1: training needs a val split")
+    if args.val_tokens is not None and args.val_tokens < 1:
+        parser.error(f"--val_tokens must be >= 1, got {args.val_tokens}: training needs a val split")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
     args.sample_by = args.sample_by or ("document" if args.input or args.dataset else "paragraph")
@@ -315,12 +328,14 @@ def main(argv=None):
     with _locked(out_dir):
         for commit in out_dir.glob(".*.commit"):  # a run was stopped while it moved its shards in
             _finish_commit(out_dir, commit.name[1:-len(".commit")])
-        if any(out_dir.glob("*.bin")) and not args.overwrite:
+        # other datasets' shards are no conflict: training reads one of several with --dataset
+        made = [f for f in os.listdir(out_dir) if shard_name(f) in {(name, "train"), (name, "val")}]
+        if made and not args.overwrite:
             recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
             if recorded != source:
-                raise UserError(f"{out_dir} already has .bin files, made from other input or options; "
+                raise UserError(f"{out_dir} already has shards of {name}, made from other input or options; "
                                 f"pass --overwrite to replace its {name}_*.bin shards, or pick another "
-                                f"--output_dir")
+                                f"--output_dir or --name")
             if (changed := changed_shard(out_dir, name)) is None:
                 print(f"{out_dir} already holds the shards of this input and these options: nothing to do")
                 return
@@ -555,4 +570,5 @@ def _write_shards(args, sources, what, name, staging):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminated)
     configurator.run(main, "prepare_data.py")

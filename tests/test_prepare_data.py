@@ -1,5 +1,6 @@
 """Tests of prepare_data.py: the offline GPT-2 tokenizer, the .bin shard format and the pipeline."""
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,8 @@ import pytest
 from conftest import ROOT, ctrl_c_reaches
 from gpt2_ddp import tokenizer
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, split_paths, write_shard
+from gpt2_ddp.shards import (HEADER_INTS, MAX_SHARD_TOKENS, SHARD_MAGIC, SHARD_VERSION, split_paths,
+                             write_shard)
 import prepare_data
 from prepare_data import EOT_TOKEN, TINYSHAKESPEARE_PATH, gpt2_encoding, main
 
@@ -361,16 +363,18 @@ def test_hub_dataset_shares_the_local_pipeline(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("value, message", [
-    ("1.5", "argument --shard_size: expected a whole number of tokens >= 0, got '1.5'"),
-    ("-3", "argument --shard_size: expected a whole number of tokens >= 0, got '-3'"),
+    ("1.5", "argument --shard_size: expected a whole number of tokens, got '1.5'"),
     ("abc", "argument --shard_size: not a number: 'abc'"),
-    ("0", "--shard_size must be in [1, "),
+    ("-5", f"--shard_size must be in [1, {MAX_SHARD_TOKENS}], got -5"),
+    ("0", f"--shard_size must be in [1, {MAX_SHARD_TOKENS}], got 0"),
+    ("3e9", f"--shard_size must be in [1, {MAX_SHARD_TOKENS}], got 3000000000"),
 ])
 def test_bad_shard_size_is_rejected(tmp_path, capsys, value, message):
-    """Refused by the parser, in one line, before any shard is written (a size of 0 would never end)."""
+    """Refused by the parser, in one line that states the allowed range and names the value, before any
+    shard is written (a size of 0 would never end)."""
     with pytest.raises(SystemExit):
         prepare_data._parse_args(["--shard_size", value, "--output_dir", str(tmp_path)])
-    assert f"error: {message}" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(f" error: {message}\n")
     with pytest.raises(SystemExit):
         run("--shard_size", value, "--output_dir", tmp_path)
     assert names(tmp_path) == []
@@ -387,8 +391,9 @@ def test_existing_output_dir_needs_overwrite(tmp_path):
     assert len(names(out_dir)) > 3
     with pytest.raises(UserError) as exc:
         run(*common)
-    assert str(exc.value) == (f"{out_dir} already has .bin files, made from other input or options; pass "
-                              f"--overwrite to replace its a_*.bin shards, or pick another --output_dir")
+    assert str(exc.value) == (f"{out_dir} already has shards of a, made from other input or options; pass "
+                              f"--overwrite to replace its a_*.bin shards, or pick another --output_dir or "
+                              f"--name")
     (out_dir / ".partial").mkdir()
     (out_dir / ".partial" / "a_train_000009.bin").write_bytes(b"left by a killed run")
     run(*common, "--overwrite")
@@ -511,6 +516,39 @@ def test_rerun_with_the_same_input_has_nothing_to_do(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("Other text.")
     with pytest.raises(UserError, match="made from other input or options"):
         run(*common)
+
+
+def test_datasets_of_other_names_share_an_output_dir(tmp_path, capsys):
+    """Each name's shards and manifest decide alone whether a run is a rerun or a conflict, so one
+    dir holds several datasets, which training picks with --dataset."""
+    (tmp_path / "a.txt").write_text("Hello world, hello world, hello world.")
+    (tmp_path / "b.txt").write_text("Other text, other text, and more of it.")
+    out_dir = tmp_path / "out"
+    first = ["--input", tmp_path / "a.txt", "--output_dir", out_dir, "--workers", 1, "--val_tokens", 2]
+    run(*first)
+    run("--input", tmp_path / "b.txt", "--name", "other", "--output_dir", out_dir, "--workers", 1,
+        "--val_tokens", 3, "--shard_size", 4)
+    check_manifest(out_dir, "a")
+    check_manifest(out_dir, "other")
+    a = ["a_train_000001.bin", "a_val_000000.bin"]
+    other = [f"other_{split}_{i:06d}.bin" for split, i in [("train", 1), ("train", 2), ("train", 3),
+                                                          ("val", 0)]]
+    assert names(out_dir) == a + other
+    for dataset, files in [("a", a), ("other", other)]:
+        for split in ("train", "val"):
+            assert split_paths(out_dir, split, dataset, required=True) == \
+                   [out_dir / f for f in files if f"_{split}_" in f]
+    with pytest.raises(UserError, match="holds the shards of 2 datasets \\(a, other\\): pass --dataset=NAME"):
+        split_paths(out_dir, "train")
+    capsys.readouterr()
+    run(*first)
+    assert capsys.readouterr().out.endswith("nothing to do\n")
+    with pytest.raises(UserError) as exc:
+        run(*first, "--shard_size", 2)
+    assert str(exc.value) == (f"{out_dir} already has shards of a, made from other input or options; pass "
+                              f"--overwrite to replace its a_*.bin shards, or pick another --output_dir or "
+                              f"--name")
+    assert names(out_dir) == a + other
 
 
 @pytest.mark.parametrize("content, message", [
@@ -737,7 +775,8 @@ def test_input_without_a_val_split_is_refused(tmp_path, capsys):
     """train_gpt2.py evaluates on the val split and refuses data without one."""
     (tmp_path / "a.txt").write_text("Hello world.")
     for option, rule in [(["--val_fraction", 0], "--val_fraction must be in (0, 1)"),
-                         (["--val_tokens", 0], "--val_tokens must be >= 1")]:
+                         (["--val_tokens", 0], "--val_tokens must be >= 1, got 0"),
+                         (["--val_tokens", -2], "--val_tokens must be >= 1, got -2")]:
         with pytest.raises(SystemExit):
             run("--input", tmp_path / "a.txt", "--output_dir", tmp_path / "out", *option)
         assert capsys.readouterr().err.endswith(f"error: {rule}: training needs a val split\n")
@@ -901,6 +940,35 @@ def test_ctrl_c_stops_the_workers_quietly_and_leaves_nothing(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in stderr
     assert stderr.splitlines()[-1] == "prepare_data.py: interrupted"
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_ends_the_workers_with_the_main_process(tmp_path):
+    """Left alone, the workers would outlive a main process that SIGTERM ends: it kills them, busy or
+    not (stopped here, as on a long batch), and then ends by SIGTERM, as before, silently; no shard or
+    manifest is in place, only the staging dir and lock that the next run replaces."""
+
+    def alive(pid):  # neither gone nor a zombie
+        with contextlib.suppress(FileNotFoundError):
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+    proc, workers = started_with_workers(tmp_path)
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 2
+        while left := [pid for pid in workers if alive(pid)]:
+            assert time.monotonic() < deadline, f"workers {left} outlived the main process"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGTERM
+    assert "Traceback" not in proc.communicate(timeout=30)[1]
+    assert {p.name for p in (tmp_path / "out").iterdir()} <= {".partial", ".prepare_data.lock"}
 
 
 def test_a_document_with_nowhere_to_cut_is_refused_in_one_line(tmp_path):

@@ -418,16 +418,18 @@ class GPT(nn.Module):
 
 def init_from(config, weights=True):
     """(config with init_from's model shape, its state dict): (config, None) for scratch, and no
-    state dict without `weights`: a run that resumes takes its shape and weights from its own out_dir's
-    newest checkpoint. Model keys left at their
-    defaults take the checkpoint's values; raises UserError for one set otherwise, or for seq_len
-    > block_size."""
+    state dict without `weights`: a run that resumes takes its shape (and later its weights) from its
+    own out_dir's checkpoint. Model keys left at their defaults take the checkpoint's values; raises
+    UserError for one set otherwise, or for seq_len > block_size."""
     if config.init_from == "scratch":
         return config, None
-    if not weights:  # its own checkpoint has the shape, whatever init_from names now or if it is gone
+    if weights:
+        shape, state = gpt2_weights.load_weights(config.init_from)
+    else:  # whatever init_from names now, or if it is gone
         log(f"init_from={config.init_from} is not used on a resume: {config.out_dir}'s checkpoint holds "
             f"the model")
-    shape, state = gpt2_weights.load_weights(config.init_from if weights else config.out_dir, weights)
+        saved, state = checkpoints.newest_config(config.out_dir), None
+        shape = {k: saved[k] for k in MODEL_KEYS if k in saved}
     defaults = Config()
     conflicts = [f"{k}={getattr(config, k)} (the checkpoint has {v})" for k, v in shape.items()
                  if getattr(config, k) not in (v, getattr(defaults, k))]

@@ -45,6 +45,15 @@ def listed(out_dir):
     return [steps[step] for step in sorted(steps.keys() - {None})]
 
 
+def newest_config(out_dir):
+    """The config dict of out_dir's newest checkpoint that torch.load reads, unchecked (a resume checks
+    the one it loads; every checkpoint of a run has its model's shape), or {} where none is read."""
+    for path in reversed(listed(out_dir)):
+        with contextlib.suppress(Exception):  # torch.load raises many kinds for a file cut short
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+    return {}
+
+
 # the temp files that atomic_write leaves in out_dir when a run is killed mid-write
 OWN_TEMPS = ("log.jsonl.tmp", "token_ids.json.tmp", "wandb_run_id.tmp")
 

@@ -30,11 +30,11 @@ JSON_KINDS = {str: "a string", int: "an integer", float: "a float", bool: "a boo
               list: "an array", dict: "an object"}
 
 
-def load_weights(source, weights=True):
-    """(shape: MODEL_KEYS -> values, model state dict or None without `weights`) of any source in
+def load_weights(source):
+    """(shape: MODEL_KEYS -> values, model state dict) of any source in
     SOURCES. Raises UserError for any other source, or a damaged one."""
     if (path := checkpoints.resolve(source)) is None:
-        return load_hf(source, weights)
+        return load_hf(source)
     try:
         with open(path, "rb") as f:
             head = f.read(len(ZIP_MAGIC))
@@ -51,7 +51,7 @@ def load_weights(source, weights=True):
     except checkpoints.Unloadable as e:
         raise UserError(f"cannot load checkpoint {path} ({str(e)[:150]}); pass an older "
                         f"ckpt_*.pt of its out_dir") from None
-    return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"] if weights else None
+    return {k: ckpt["config"][k] for k in MODEL_KEYS}, ckpt["model"]
 
 
 def hf_dir(source):
@@ -102,7 +102,7 @@ def read_hf_config(path):
     return hf_config
 
 
-def load_hf(source, weights=True):
+def load_hf(source):
     """(shape, state) of a Hugging Face GPT-2 checkpoint, as load_weights. Raises UserError as hf_dir,
     read_hf_config and hf_state do, or for a config not of GPT-2's architecture."""
     path = hf_dir(source)
@@ -118,7 +118,7 @@ def load_hf(source, weights=True):
             raise UserError(f"{path / 'config.json'}: {key}={value!r}, but train_gpt2.py's GPT-2 "
                             f"needs {allowed!r}")
     shape = {ours: hf_config[theirs] for theirs, ours in SHAPE_KEYS.items()} | {"bias": True}
-    return shape, hf_state(path / "model.safetensors") if weights else None
+    return shape, hf_state(path / "model.safetensors")
 
 
 def hf_state(file):

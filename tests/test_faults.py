@@ -1147,7 +1147,8 @@ def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
 
 def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(good_run, tmp_path):
     """A run started from another run's weights (init_from) saves its own checkpoints: once that
-    source is deleted, the same command resumes, saying that init_from is not used on a resume."""
+    source is deleted, the same command resumes, saying that init_from is not used on a resume; from
+    the checkpoint before its newest when that one is damaged, as any resume does."""
     source, _ = copy_run(good_run, tmp_path)
     tune = tmp_path / "tune"
     args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--init_from={source}", f"--out_dir={tune}",
@@ -1155,10 +1156,11 @@ def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(g
     first = run_training([*args, "--max_steps=2"]).stdout
     assert f"init_from {source}: 2 layers" in first and "not used on a resume" not in first
     shutil.rmtree(source)
+    (tune / "ckpt_0000002.pt").write_bytes(b"")
     second = run_training([*args, "--max_steps=3"]).stdout
     assert f"init_from={source} is not used on a resume: {tune}'s checkpoint holds the model\n" in second
     assert "init_from " not in second.replace(f"init_from={source} is not used", "")
-    assert f"resumed from {tune}/ckpt_0000002.pt at step 2" in second
+    assert f"resumed from {tune}/ckpt_0000001.pt at step 1" in second
     assert [r["step"] for r in read_log(tune)[0]] == [1, 2, 3]
 
 

@@ -277,7 +277,7 @@ class OutDir:
                 if stale.name in OWN_TEMPS or step_of(stale.name.removesuffix(".tmp")) is not None:
                     stale.unlink()
             fresh = resumed_from is None and not overwrite or self.old_log.exists()
-            if fresh and self.log_path.exists() and self.log_path.stat().st_size:
+            if fresh and self.log_path.is_file() and self.log_path.stat().st_size:
                 n = next(n for n in itertools.count(1) if not (self.path / f"log.{n}.jsonl").exists())
                 aside = self.path / f"log.{n}.jsonl"
                 os.replace(self.log_path, aside)  # a run with no checkpoint to resume keeps its records

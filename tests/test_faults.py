@@ -1151,8 +1151,9 @@ def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(g
     the checkpoint before its newest when that one is damaged, as any resume does."""
     source, _ = copy_run(good_run, tmp_path)
     tune = tmp_path / "tune"
-    args = [*SMALL, f"--data_dir={good_run / 'data'}", f"--init_from={source}", f"--out_dir={tune}",
-            "--checkpoint_interval=1"]
+    shape = ("--n_layer=", "--n_head=", "--n_embd=", "--block_size=", "--vocab_size=")
+    args = [*(a for a in SMALL if not a.startswith(shape)), f"--data_dir={good_run / 'data'}",  # init_from's
+            f"--init_from={source}", f"--out_dir={tune}", "--checkpoint_interval=1"]
     first = run_training([*args, "--max_steps=2"]).stdout
     assert f"init_from {source}: 2 layers" in first and "not used on a resume" not in first
     shutil.rmtree(source)
@@ -1162,6 +1163,10 @@ def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(g
     assert "init_from " not in second.replace(f"init_from={source} is not used", "")
     assert f"resumed from {tune}/ckpt_0000001.pt at step 1" in second
     assert [r["step"] for r in read_log(tune)[0]] == [1, 2, 3]
+    for path in tune.glob("ckpt_*.pt"):
+        path.write_bytes(b"")
+    with pytest.raises(UserError, match=f"^no checkpoint in {tune} can be loaded "):
+        train_here([*args, "--max_steps=4"])
 
 
 def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_released(tmp_path):

@@ -231,10 +231,11 @@ def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_
     and names the order that does. Its scan of the shards has a progress bar (shown after a second)."""
     from gpt2_ddp import shards
     bars = []
-    monkeypatch.setattr(shards, "tqdm", lambda *args, **kwargs: bars.append(args[1]) or args[0])
+    monkeypatch.setattr(shards, "tqdm", lambda *args, **kwargs: bars.append((args[1], kwargs["disable"])) or args[0])
     tail_doc = np.concatenate([np.arange(3 * T), [EOT_TOKEN], np.arange(T - 1)])
     write_shard(tmp_path / "docs_val_000000.bin", tail_doc)
-    for shard, longest in ((tail_doc, 4 * T), (np.full(T, EOT_TOKEN), T)):
+    for rank, shard, longest in ((0, tail_doc, 4 * T), (1, np.full(T, EOT_TOKEN), T)):
+        monkeypatch.setenv("RANK", str(rank))
         for name in ("docs_train_000001.bin", "docs_train_000002.bin"):
             write_shard(tmp_path / name, shard)
         with pytest.raises(UserError) as refused:
@@ -243,4 +244,4 @@ def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_
             f"the train split in {tmp_path} holds no row of seq_len+1 = {T + 1} tokens that starts at an "
             f"<|endoftext|> (a document start) and fits in its shard (the longest holds {longest} tokens): "
             f"pass --data_order=sequential")
-    assert bars == ["finding document starts"] * 2
+    assert bars == [("finding document starts", False), ("finding document starts", True)]  # rank 0's alone

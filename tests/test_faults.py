@@ -1145,6 +1145,14 @@ def test_paths_are_never_empty_and_expand_a_tilde(tmp_path, monkeypatch):
         f"{tmp_path}/runs/x", f"{tmp_path}/data", f"{tmp_path}/gone")
 
 
+def test_a_fresh_start_over_an_empty_log_keeps_no_copy_of_it(tmp_path):
+    (tmp_path / "log.jsonl").write_text("")  # a run that stopped before its first record
+    out = checkpoints.OutDir(tmp_path)
+    out.start(0, None, [])
+    out.lock.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "log.jsonl"]
+
+
 def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(good_run, tmp_path):
     """A run started from another run's weights (init_from) saves its own checkpoints: once that
     source is deleted, the same command resumes, saying that init_from is not used on a resume; from

@@ -326,6 +326,19 @@ def test_export_of_a_fork_that_is_not_gpt2_is_one_line_and_writes_nothing(fork, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out", "site"]
 
 
+@pytest.mark.parametrize("module, other", [
+    ("transformer.h.1.ln_2", nn.RMSNorm(32)), ("transformer.ln_f", nn.LayerNorm(32, eps=1e-6, bias=False)),
+    ("transformer.h.0.mlp.gelu", nn.GELU()),
+])
+def test_every_norm_and_gelu_of_a_fork_is_checked_before_export(module, other):
+    """One module of GPT-2's keys but another computation, anywhere in the model, is named."""
+    model = GPT(Config(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, bias=False))
+    parent, _, leaf = module.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, other)
+    with pytest.raises(UserError, match=f"^the fork is not GPT-2 \\({module} is {type(other).__name__}\\("):
+        check_gpt2(model, "the fork")
+
+
 def write_damaged(path, kind):
     """A file at `path` of `kind`: empty, foreign (a torch.save of other contents), cut (a zip cut
     short) or tampered (our keys, with a checksum that does not match)."""

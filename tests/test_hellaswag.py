@@ -215,3 +215,14 @@ def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatc
                                         f"{target}"):
         hellaswag.download(target)
     assert not target.exists() and not list(target.parent.iterdir())  # no partial file left
+
+
+def test_training_downloads_a_missing_hellaswag_file_once_and_reads_a_present_one(tmp_path, monkeypatch):
+    """examples_for_training fetches the file where hellaswag_path names none, and not where it is."""
+    from train_gpt2 import load_config
+    path, fetched = tmp_path / "hellaswag_val.jsonl", []
+    monkeypatch.setattr(hellaswag, "download", lambda p: fetched.append(p) or write_hellaswag(p, 3))
+    config = load_config([f"--hellaswag_path={path}", "--hellaswag_interval=1", "--vocab_size=50304"])
+    first = hellaswag.examples_for_training(config)
+    second = hellaswag.examples_for_training(config)
+    assert fetched == [path] and len(first) == len(second) > 0

@@ -329,7 +329,7 @@ def main(argv=None):
         for commit in out_dir.glob(".*.commit"):  # a run was stopped while it moved its shards in
             _finish_commit(out_dir, commit.name[1:-len(".commit")])
         # other datasets' shards are no conflict: training reads one of several with --dataset
-        made = [f for f in os.listdir(out_dir) if shard_name(f) in {(name, "train"), (name, "val")}]
+        made = any(shard_name(f) in {(name, "train"), (name, "val")} for f in os.listdir(out_dir))
         if made and not args.overwrite:
             recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
             if recorded != source:

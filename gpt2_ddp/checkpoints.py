@@ -192,7 +192,7 @@ def load(path):
                          f"something else: a save cut short, or another file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch.load raises many kinds for a file cut short or not a zip
+    except Exception as e:  # torch.load raises many kinds for a zip it cannot read
         raise Unloadable(f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0]}")
     missing = [key for key in (*KEYS, "sha256") if key not in state] if isinstance(state, dict) else KEYS
     if missing:

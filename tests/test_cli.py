@@ -214,6 +214,25 @@ def test_a_python_that_cannot_run_or_import_torch_is_refused_before_any_run(tmp_
         check_equivalence.main(["--world_sizes", "1", "2", "--python", str(broken), f"--out_dir={tmp_path}"])
 
 
+def test_check_equivalence_trains_world_sizes_1_2_and_4_without_world_sizes(tmp_path, monkeypatch):
+    """With no --world_sizes the check compares world sizes 1, 2 and 4 (the README's promise), writing
+    under --out_dir, and passes train_gpt2 every other argument."""
+    from scripts import check_equivalence
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def compare(train_args, world_sizes, out_root):
+        calls.append((train_args, world_sizes, out_root))
+        raise Stop
+
+    monkeypatch.setattr(check_equivalence, "compare", compare)
+    with pytest.raises(Stop):
+        check_equivalence.main(["configs/shakespeare_cpu.toml", "--max_steps=3", f"--out_dir={tmp_path}"])
+    assert calls == [(["configs/shakespeare_cpu.toml", "--max_steps=3"], [1, 2, 4], str(tmp_path))]
+
+
 def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tmp_path, monkeypatch, capsys):
     """With --python, a gradient norm that differs by more than --tolerance (relative) exits 1
     though every loss is equal, also where only the first of two world sizes differs; within the

@@ -240,6 +240,16 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, 
         dist.destroy_process_group()
 
 
+def test_clip_grad_norm_sums_the_squares_in_float64():
+    """Gradients whose squares pass float32's range (1e20**2) still give their true norm, 2e20, and
+    are scaled to max_norm: clip_grad_norm sums squares in float64 off MPS, as its docstring says."""
+    from gpt2_ddp.data_parallel import clip_grad_norm
+    grads = [torch.full((3,), 1e20), torch.full((1,), -1e20)]
+    norm = clip_grad_norm(grads, 1.0, sharded=False)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(2e20, rel=1e-6)
+    torch.testing.assert_close(torch.cat(grads), torch.tensor([0.5, 0.5, 0.5, -0.5]), rtol=1e-5, atol=0)
+
+
 def test_exact_ddp_in_one_process_starts_each_step_from_a_zero_sum():
     """ExactDDP without a process group, 2 micro-steps a step: each step's gradient is the sum of
     that step's micro-batches alone (to float32 rounding, 1e-5), the float64 sum of the step before

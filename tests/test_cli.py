@@ -70,6 +70,20 @@ def test_help_shows_underscore_options_and_the_docstring_lines_as_written(name, 
     assert all(line.strip() in source for line in out.split("\n\n")[1].splitlines()), out
 
 
+@pytest.mark.parametrize("name", [name for name in SCRIPTS if name.startswith("scripts.")
+                                  and name not in ("scripts.bench", "scripts.check_equivalence")])
+def test_help_shows_the_scripts_example_commands(name, capsys):
+    """A script's --help shows its docstring's example commands, each line as written (bench and
+    check_equivalence, with usage lines of their own, show their first paragraph)."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    examples = [line.strip() for line in module.__doc__.split("\n\n")[1].splitlines()]
+    assert any(line.startswith(f"python -m {name}") for line in examples) and all(
+        line in out for line in examples)
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_says_what_every_option_does_and_its_default(name, monkeypatch):
     """A default of None, False or [] (off unless given) goes unsaid; any other shows in --help."""

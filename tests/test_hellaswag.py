@@ -226,3 +226,39 @@ def test_training_downloads_a_missing_hellaswag_file_once_and_reads_a_present_on
     first = hellaswag.examples_for_training(config)
     second = hellaswag.examples_for_training(config)
     assert fetched == [path] and len(first) == len(second) > 0
+
+
+def test_on_rank_1_training_leaves_the_download_to_rank_0_and_reads_its_file(tmp_path, monkeypatch):
+    """Rank 1 of 2 (the process group simulated) does not fetch a missing file: rank 0 does, within
+    the collective that rank 1 waits in, and rank 1 then reads the file rank 0 wrote."""
+    import torch.distributed as dist
+    from train_gpt2 import load_config
+    path, fetched = tmp_path / "hellaswag_val.jsonl", []
+    monkeypatch.setattr(hellaswag, "download", lambda p: fetched.append(p) or write_hellaswag(p, 3))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    # rank 0's download ends within the all-gather that rank 1 waits in
+    monkeypatch.setattr(dist, "all_gather_object", lambda errors, error: write_hellaswag(path, 3)
+                        or errors.__setitem__(slice(None), [None, error]))
+    config = load_config([f"--hellaswag_path={path}", "--hellaswag_interval=1", "--vocab_size=50304"])
+    assert len(hellaswag.examples_for_training(config)) > 0 and fetched == []
+
+
+def test_a_stop_ends_the_evaluation_before_the_next_example(gpt_tiny, examples_file):
+    """check_stop runs before each example: where it raises Stopped at the third, two were scored."""
+    from gpt2_ddp.collectives import Stopped
+    model = GPT.from_pretrained(gpt_tiny)
+    examples = hellaswag.render_all(hellaswag.load_examples(examples_file, 5), model.config.block_size,
+                                    model.config.vocab_size)
+    checks, scored = [], []
+    model.register_forward_hook(lambda *args: scored.append(1))
+
+    def check_stop():
+        checks.append(1)
+        if len(checks) == 3:
+            raise Stopped
+
+    with pytest.raises(Stopped):
+        hellaswag.evaluate(model, examples, torch.device("cpu"), check_stop=check_stop)
+    assert len(checks) == 3 and len(scored) == 2

@@ -363,13 +363,14 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, ca
 
 def test_timeline_draws_the_gpus_ranges_where_the_trace_has_them():
     """A GPU's trace holds each range twice, as the CPU launched it and as the GPU ran it: the
-    lanes show the GPU's, and the collectives are its NCCL kernels."""
+    lanes show the GPU's, and the collectives are its NCCL kernels, not the CPU's calls of them."""
     step = {"ph": "X", "name": "ProfilerStep#0", "ts": 1000, "dur": 500}
     launched = {"ph": "X", "name": "forward", "cat": "user_annotation", "ts": 1010, "dur": 50}
     ran = {"ph": "X", "name": "forward", "cat": "gpu_user_annotation", "ts": 1100, "dur": 80}
     nccl = {"ph": "X", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", "cat": "kernel",
             "ts": 1200, "dur": 50}
-    compute, comm = timeline.lanes({"traceEvents": [step, launched, ran, nccl]}, 1)
+    issued = {"ph": "X", "name": "c10d::allreduce_", "cat": "cpu_op", "ts": 1150, "dur": 5}  # the CPU's call
+    compute, comm = timeline.lanes({"traceEvents": [step, launched, ran, issued, nccl]}, 1)
     assert compute == [("forward", pytest.approx(0.1), pytest.approx(0.08))]
     assert comm == [("all_reduce", pytest.approx(0.2), pytest.approx(0.05))]
 

@@ -68,8 +68,7 @@ def _parts(sources, field):
             for name, row in rows():
                 text, start = _text(name, row, field), 0
                 while len(text) - start > PART_CHARS:
-                    cut = PART_END.search(text, start + PART_CHARS // 2, start + PART_CHARS)
-                    if cut is None:
+                    if (cut := PART_END.search(text, start + PART_CHARS // 2, start + PART_CHARS)) is None:
                         raise UserError(f"{name} has {PART_CHARS // 2:,} characters with no space, tab or "
                                         f"newline after another; too long to tokenize, split or remove it")
                     yield text[start:cut.start()], start == 0
@@ -140,8 +139,7 @@ def _text(name, row, field):
     UserError saying what the row holds when that is not an object with a string there."""
     if not isinstance(row, dict):
         raise UserError(f"{name} is {_kind(row)}, not an object with a {field!r} string; fix or remove it")
-    text = row.get(field)
-    if isinstance(text, str):
+    if isinstance(text := row.get(field), str):
         return text
     if field not in row:
         fields = f"its fields are {', '.join(map(str, row))}" if row else "it has no fields"
@@ -219,29 +217,26 @@ def _parse_args(argv):
         description="Tokenize text with GPT-2's BPE into llm.c .bin token shards.",
         epilog="With no --input or --dataset, the embedded corpus assets/tinyshakespeare.txt is used.")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
-                        help="local files: .txt (one document per file), .jsonl/.json or .parquet "
-                             "(one document per row); all of one kind")
+    source.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB", help="local files: .txt (one document "
+                        "per file), .jsonl/.json or .parquet (one document per row); all of one kind")
     source.add_argument("--dataset", metavar="NAME",
                         help="Hugging Face hub dataset to stream, e.g. HuggingFaceFW/fineweb-edu")
     parser.add_argument("--dataset_config", metavar="CONFIG", help="config of --dataset, e.g. sample-10BT")
     parser.add_argument("--split", default="train", help="split of --dataset to read (default: train)")
     parser.add_argument("--text_field", default="text",
                         help="column holding the text in json/parquet/hub rows (default: text)")
-    parser.add_argument("--sample_by", choices=("document", "paragraph"),
-                        help=".txt input: a document per file, or per paragraph (text between blank lines), "
-                             "as `datasets`' text builder reads them (default: paragraph for the embedded "
-                             "corpus, else document)")
+    parser.add_argument("--sample_by", choices=("document", "paragraph"), help=".txt input: a document per "
+                        "file, or per paragraph (text between blank lines), as `datasets`' text builder "
+                        "reads them (default: paragraph for the embedded corpus, else document)")
     parser.add_argument("--name", help="prefix of the shard names, a plain file name (default: the first "
                                        "file's stem, the dataset's last path component, or tinyshakespeare)")
     parser.add_argument("--output_dir", help="default: data/<name>/ next to this script")
     parser.add_argument("--shard_size", type=_token_count, default=100_000_000,
                         help="tokens per shard (default: 1e8)")
     val = parser.add_mutually_exclusive_group()
-    val.add_argument("--val_tokens", type=_token_count,
-                     help="exactly this many tokens (>= 1), the first ones, go to val; skips the pass that "
-                          "counts the tokens for --val_fraction (worth it for big inputs). Default for "
-                          "--dataset: --shard_size (the first shard is val)")
+    val.add_argument("--val_tokens", type=_token_count, help="exactly this many tokens (>= 1), the first "
+                     "ones, go to val; skips the pass that counts the tokens for --val_fraction (worth it "
+                     "for big inputs). Default for --dataset: --shard_size (the first shard is val)")
     val.add_argument("--val_fraction", type=float, default=0.1,
                      help="fraction of all tokens, the first ones, that go to val, in (0, 1) (default: 0.1)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
@@ -271,22 +266,19 @@ def _expand_inputs(patterns):
     pattern matching nothing, a match not a readable file, a file matched twice, or mixed or unknown ones."""
     files = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True))
-        if not matches:
+        if not (matches := sorted(glob.glob(pattern, recursive=True))):
             raise UserError(f"no files match {pattern!r}")
         files += matches
     first = {}  # the real path of each file -> the index of the first match naming it
     for i, f in enumerate(files):
         file_size(f, f"input {f}", {"link": "; point it at a file or leave it out",
                                     "directory": f", not a file; pass the files in it, e.g. --input "
-                                                 f"'{f.rstrip('/')}/*.txt'",
-                                    "other": "; pass files"})
+                                                 f"'{f.rstrip('/')}/*.txt'", "other": "; pass files"})
         try:
             open(f, "rb").close()
         except OSError as e:
             raise UserError(f"cannot read input {f}: {e.strerror}") from None
-        j = first.setdefault(os.path.realpath(f), i)
-        if j != i:
+        if (j := first.setdefault(os.path.realpath(f), i)) != i:
             also = "" if files[j] == f else f" (also as {files[j]})"
             raise UserError(f"input {f} is matched more than once{also}, so its documents would be "
                             f"in the data twice; pass each file once")
@@ -331,8 +323,7 @@ def main(argv=None):
         # other datasets' shards are no conflict: training reads one of several with --dataset
         made = any(shard_name(f) in {(name, "train"), (name, "val")} for f in os.listdir(out_dir))
         if made and not args.overwrite:
-            recorded = read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]})
-            if recorded != source:
+            if read_json(manifest_path, lambda m: {"inputs": m["inputs"], "options": m["options"]}) != source:
                 raise UserError(f"{out_dir} already has shards of {name}, made from other input or options; "
                                 f"pass --overwrite to replace its {name}_*.bin shards, or pick another "
                                 f"--output_dir or --name")
@@ -547,9 +538,8 @@ def _write_shards(args, sources, what, name, staging):
             bar.update(size - bar.n)  # the bytes of json and parquet that are not text
         val_tokens = int(total * args.val_fraction)
         if val_tokens == 0 and total:  # no tokens at all: the empty input is named below
-            raise UserError(f"--val_fraction {args.val_fraction} of the input's {total} tokens is 0 "
-                            f"tokens, and training needs a val split; raise --val_fraction or pass "
-                            f"--val_tokens N")
+            raise UserError(f"--val_fraction {args.val_fraction} of the input's {total} tokens is 0 tokens, "
+                            f"and training needs a val split; raise --val_fraction or pass --val_tokens N")
 
     writer, val_left = _ShardWriter(staging, name, args.shard_size), val_tokens
     with tqdm(total=total, desc="writing shards", unit="tok", unit_scale=True) as bar:

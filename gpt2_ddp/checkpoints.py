@@ -154,9 +154,8 @@ def save(path, state):
         error = e if isinstance(e, OSError) else e.__context__
         if not isinstance(error, OSError):
             raise
-        raise UserError(f"cannot save checkpoint {path}: {error.strerror or error}; the older "
-                        f"checkpoints are kept: free some space or pass another --out_dir, and "
-                        f"rerun to resume") from None
+        raise UserError(f"cannot save checkpoint {path}: {error.strerror or error}; the older checkpoints "
+                        f"are kept: free some space or pass another --out_dir, and rerun to resume") from None
 
 
 def resolve(source):
@@ -164,8 +163,7 @@ def resolve(source):
     directory (with config.json) or no path (a hub name). Raises UserError for a directory holding neither."""
     path = Path(source)
     if path.is_dir() and not (path / "config.json").exists():
-        found = listed(path)
-        if not found:
+        if not (found := listed(path)):
             raise UserError(f"{path} holds neither checkpoints (ckpt_NNNNNNN.pt) nor a Hugging Face "
                             f"config.json")
         return found[-1]
@@ -289,9 +287,8 @@ class OutDir:
                 if self.log_path.exists():
                     os.replace(self.log_path, self.old_log)
                 return
-            lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
             kept = []
-            for line in lines:
+            for line in (self.log_path.read_text().splitlines() if self.log_path.exists() else []):
                 try:
                     record = json.loads(line)
                     if int(record["step"]) <= start_step:
@@ -353,9 +350,8 @@ def open_out_dir(config):
     out = agreed(lambda: OutDir(config.out_dir), master_only=True)
     existing = listed(config.out_dir)
     if config.resume == "never" and existing and not config.overwrite:
-        raise UserError(f"{config.out_dir} has checkpoints and resume=never would overwrite them; "
-                        f"pass --resume=auto to continue, --overwrite=true to start over, or "
-                        f"another --out_dir")
+        raise UserError(f"{config.out_dir} has checkpoints and resume=never would overwrite them; pass "
+                        f"--resume=auto to continue, --overwrite=true to start over, or another --out_dir")
     return out, existing
 
 
@@ -367,8 +363,7 @@ def load_newest(out_dir, warn):
     box = [found[0] if master_process else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-    path = box[0]
-    if path is None:
+    if (path := box[0]) is None:
         return None, None
 
     def load_here():

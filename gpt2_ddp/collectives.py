@@ -58,8 +58,7 @@ def torchrun_env():
     if not launched and world_size != 1:
         raise UserError(f"WORLD_SIZE={world_size} is set but RANK not: launch with torchrun, which sets "
                         f"both, or unset WORLD_SIZE to run one process")
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if launched and not os.environ.get(name)]
-    if missing:
+    if missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if launched and not os.environ.get(name)]:
         raise UserError(f"RANK is set but {' and '.join(missing)} not: launch with torchrun "
                         f"(--standalone on one machine), which sets them")
     return launched, rank, local_rank, world_size

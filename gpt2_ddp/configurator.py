@@ -195,9 +195,6 @@ def help_lines(config_class, width=None):
     lines = []
     for name, key in keys.items():
         text = textwrap.wrap(comments[name], max(width - column, 20), break_on_hyphens=False)
-        if len(key) + 2 > column:
-            lines.append(key)
-        else:
-            lines.append(key.ljust(column) + text.pop(0))
+        lines.append(key if len(key) + 2 > column else key.ljust(column) + text.pop(0))
         lines += [" " * column + part for part in text]
     return lines

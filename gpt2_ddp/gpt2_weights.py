@@ -63,11 +63,10 @@ def hf_dir(source):
             return Path(snapshot_download(HUB_NAMES[source],
                                           allow_patterns=["config.json", "model.safetensors"]))
         except Exception as e:
-            raise UserError(
-                f"cannot download {source} from the Hugging Face hub ({e.__class__.__name__}: "
-                f"{str(e).splitlines()[0][:150] if str(e) else 'no detail'}); run once where the "
-                f"hub is reachable (huggingface_hub keeps it in its cache), or pass a directory "
-                f"holding config.json and model.safetensors") from e
+            raise UserError(f"cannot download {source} from the Hugging Face hub ({e.__class__.__name__}: "
+                            f"{str(e).splitlines()[0][:150] if str(e) else 'no detail'}); run once where the "
+                            f"hub is reachable (huggingface_hub keeps it in its cache), or pass a directory "
+                            f"holding config.json and model.safetensors") from e
     path = Path(source)
     if missing := [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]:
         raise UserError(f"{source} is neither {', '.join(HUB_NAMES)}, a checkpoint (ckpt_*.pt) or "
@@ -87,8 +86,7 @@ def read_hf_config(path):
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         raise UserError(f"{file} is not valid JSON ({str(e)[:150]}): not a GPT-2 config") from None
     if not isinstance(hf_config, dict):
-        raise UserError(f"{file} holds {JSON_KINDS[type(hf_config)]}, not a JSON object: not a "
-                        f"GPT-2 config")
+        raise UserError(f"{file} holds {JSON_KINDS[type(hf_config)]}, not a JSON object: not a GPT-2 config")
     if missing := [k for k in SHAPE_KEYS if k not in hf_config]:
         raise UserError(f"{file} lacks {', '.join(missing)}: not a GPT-2 config")
     for key in SHAPE_KEYS:

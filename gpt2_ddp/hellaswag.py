@@ -40,11 +40,9 @@ def download(path):
                     f.write(chunk)
                     bar.update(len(chunk))
                     chunks.append(chunk)
-        lines = sum(1 for line in b"".join(chunks).splitlines() if line.strip())
-        if lines != VAL_EXAMPLES:
-            raise UserError(f"{URL} gave {lines} lines, not the {VAL_EXAMPLES} examples of "
-                            f"HellaSwag's validation split: try again, or download it by hand to "
-                            f"{path}")
+        if (lines := sum(1 for line in b"".join(chunks).splitlines() if line.strip())) != VAL_EXAMPLES:
+            raise UserError(f"{URL} gave {lines} lines, not the {VAL_EXAMPLES} examples of HellaSwag's "
+                            f"validation split: try again, or download it by hand to {path}")
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -86,8 +86,7 @@ class TensorBoard:
         except ImportError:
             raise UserError("tensorboard=true needs the tensorboard package: pip install "
                             "tensorboard") from None
-        self.writer = SummaryWriter(log_dir=str(Path(config.out_dir) / "tensorboard"),
-                                    purge_step=first_step)
+        self.writer = SummaryWriter(log_dir=str(Path(config.out_dir) / "tensorboard"), purge_step=first_step)
 
     def write(self, record):
         for key, value in record.items():
@@ -120,8 +119,7 @@ PEAK_FLOPS = [("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 495e12), ("H200", 
 
 def peak_flops(name, dtype):
     """Peak FLOP/s of the GPU called `name` in `dtype` (a DTYPES name); None for one not in PEAK_FLOPS."""
-    return next((half if dtype != "float32" else full for key, half, full in PEAK_FLOPS
-                 if key in name), None)
+    return next((half if dtype != "float32" else full for key, half, full in PEAK_FLOPS if key in name), None)
 
 
 def state_bytes(optimizer):
@@ -217,10 +215,7 @@ class Metrics:
             record["muon_lr"] = muon_lrs[0]
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
-        if skipped:
-            record["skipped"] = True
-        if overflow:
-            record["overflow"] = True
+        record |= {flag: True for flag, on in (("skipped", skipped), ("overflow", overflow)) if on}
         if self.peak:
             record["mfu"] = self.flops_per_step / dt / (self.peak * self.world_size)
         if self.device.type == "cuda":

@@ -56,9 +56,7 @@ def check_runs(dtype, device):
 
 def autocast(dtype, device):
     """torch.autocast to `dtype` (a DTYPES name) on `device`'s type, or nothing for float32."""
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
+    return nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
 def grad_scaler(dtype, sharding, device):

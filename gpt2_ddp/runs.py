@@ -118,9 +118,7 @@ def read_log(path, keep=lambda record: True, what="a JSON object"):
     """The records (dicts, in order) of a log.jsonl or DIR/log.jsonl. Lines not `what` (a JSON object
     keep(record) takes) are skipped with one warning naming them; an unterminated last one silently.
     Raises UserError for a file that cannot be read or that holds no record kept."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "log.jsonl"
+    path = Path(path) / "log.jsonl" if Path(path).is_dir() else Path(path)
     try:
         text = path.read_text()
     except OSError as e:

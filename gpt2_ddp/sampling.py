@@ -54,6 +54,5 @@ def training_sample(model, prompt, length, seed, device, autocast, check_stop):
         for token in model.generate(tokens[0], length, generator):
             check_stop()
             tokens.append(token)
-    tokens = torch.cat(tokens, dim=1)
     model.train()
-    return gpt2_encoding().decode(tokens[0].tolist())
+    return gpt2_encoding().decode(torch.cat(tokens, dim=1)[0].tolist())

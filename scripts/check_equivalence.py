@@ -53,6 +53,11 @@ def max_diff(model, reference):
     return max((model[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
 
+def worst_diff(values, reference):
+    """The largest absolute difference of two lists of numbers, element by element; 0.0 for none."""
+    return max((abs(a - b) for a, b in zip(values, reference)), default=0.0)
+
+
 def print_table(results):
     sizes = list(results)
     ref = results[sizes[0]]
@@ -62,10 +67,8 @@ def print_table(results):
         diffs = [abs(results[n]["loss"][i] - loss) for n in sizes[1:]]
         print(f"{step:5d} | {loss:22.9f} | " + " | ".join(f"{d:22.3e}" for d in diffs))
     for name in ("loss", "val_loss"):
-        worst = [max((abs(a - b) for a, b in zip(results[n][name], ref[name])), default=0.0)
-                 for n in sizes[1:]]
         print(f"max |diff| of {name:8s}: " + ", ".join(
-            f"world size {n}: {w:.3e}" for n, w in zip(sizes[1:], worst)))
+            f"world size {n}: {worst_diff(results[n][name], ref[name]):.3e}" for n in sizes[1:]))
     print("max |diff| of weights : " + ", ".join(
         f"world size {n}: {results[n]['max_param_diff']:.3e}" for n in sizes[1:]))
     if ref["hellaswag"]:
@@ -89,8 +92,7 @@ def torch_version(python):
         raise UserError(f"cannot run --python {python}: {e.strerror}") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"{python} cannot import torch ({last}): install torch and "
-                        f"requirements.txt into it")
+        raise UserError(f"{python} cannot import torch ({last}): install torch and requirements.txt into it")
     return proc.stdout.strip()
 
 
@@ -102,8 +104,7 @@ def compare_pythons(pythons, results, train_args, world_sizes, out_root):
         other = compare(train_args, world_sizes, Path(out_root) / f"torch-{version}", python,
                         f"torch {version}, ")
         for n in world_sizes:
-            diffs = [max((abs(a - b) for a, b in zip(other[n][key], results[n][key])), default=0.0)
-                     for key in ("loss", "grad_norm", "val_loss")]
+            diffs = [worst_diff(other[n][key], results[n][key]) for key in ("loss", "grad_norm", "val_loss")]
             diffs.append(max_diff(other[n]["model"], results[n]["model"]))
             # relative: a loss spike's gradient norm is large, and so is its rounding
             worst = max(worst, *(abs(a - b) / max(abs(b), 1e-12) for key in ("loss", "grad_norm")

@@ -140,15 +140,14 @@ def main(argv):
     parser.add_argument("logs", nargs="+", help="log.jsonl files or the out_dirs holding them")
     parser.add_argument("--out", help="the PNG to write (default: plot.png beside the first log)")
     args = parser.parse_args(argv)
+    dirs = [path if path.is_dir() else path.parent for path in map(Path, args.logs)]
     runs = {}
-    for log in args.logs:
-        path = Path(log)
-        label = (path if path.is_dir() else path.parent).resolve().name
+    for log, folder in zip(args.logs, dirs):
+        label = folder.resolve().name
         while label in runs:
             label += "'"
-        runs[label] = read_log(path, plottable, "a record of train_gpt2.py")
-    first = Path(args.logs[0])
-    out = args.out or (first if first.is_dir() else first.parent) / "plot.png"
+        runs[label] = read_log(log, plottable, "a record of train_gpt2.py")
+    out = args.out or dirs[0] / "plot.png"
     plot(runs, out)
     print(f"wrote {out}")
 

@@ -37,9 +37,8 @@ def sample(model, enc, prompt, max_new_tokens, temperature, top_k, generator, ou
     """Writes the prompt, then each sampled token's text to `out` (default sys.stdout) as it is drawn;
     returns the sampled token ids. An empty prompt starts from <|endoftext|>."""
     out = out or sys.stdout
-    device = next(model.parameters()).device
     prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_TOKEN]
-    idx = torch.tensor([prompt_tokens], device=device)
+    idx = torch.tensor([prompt_tokens], device=next(model.parameters()).device)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out.write(prompt)
     tokens = []
@@ -63,10 +62,9 @@ def main(argv):
                         help="< 1 makes likely tokens likelier, > 1 flattens the distribution")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=1337, help="the same seed draws the same samples")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model, meant for CUDA: one graph for the prompt's "
-                        "prefill, one for the one-token decode step at any position (the first "
-                        "tokens compile for a minute; on CPU that costs more than it saves)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, meant for CUDA: one "
+                        "graph for the prompt's prefill, one for the one-token decode step at any position "
+                        "(the first tokens compile for a minute; on CPU that costs more than it saves)")
     args = parser.parse_args(argv)
     configurator.check_options(parser, args, {
         "temperature": (lambda t: 0 < t < math.inf, "finite and > 0"),  # nan would make every probability nan

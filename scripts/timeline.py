@@ -40,9 +40,9 @@ def gloo_collectives(events):
         if e["name"].startswith("c10d::") and (kind := collective_kind(e["name"])):
             ran_as = "all_reduce" if kind == "reduce_scatter" else kind
             issued.setdefault(ran_as, []).append(kind)
-    runs = sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"])
     queues = {kind: iter(kinds) for kind, kinds in issued.items()}
-    for e in runs:  # each gloo family runs its ops in issue order, so they pair up with c10d's
+    # each gloo family runs its ops in issue order, so they pair up with c10d's
+    for e in sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
         if ran_as := collective_kind(e["name"]):
             yield next(queues.get(ran_as, iter(())), ran_as), e
 
@@ -57,8 +57,7 @@ def lanes(trace, steps):
     """(compute, collectives) lists of (kind, start_ms, duration_ms) from the first `steps` profiled
     steps of one rank's trace. Raises UserError for a trace without profiled steps."""
     events = [e for e in trace["traceEvents"] if complete(e)]
-    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                     if e["name"].startswith("ProfilerStep#"))
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("ProfilerStep#"))
     if not windows:
         raise UserError("no ProfilerStep in the trace: was it written by train_gpt2.py --profile=true?")
     start, end = windows[0][0], windows[min(steps, len(windows)) - 1][1]
@@ -72,8 +71,7 @@ def lanes(trace, steps):
 
     compute = [(e["name"], *span(e)) for e in events
                if e["name"] in COMPUTE and e.get("cat") == ranges and start <= e["ts"] < end]
-    comm = [(kind, *span(e)) for kind, e in (kernels or gloo_collectives(events))
-            if start <= e["ts"] < end]
+    comm = [(kind, *span(e)) for kind, e in (kernels or gloo_collectives(events)) if start <= e["ts"] < end]
     return compute, comm
 
 

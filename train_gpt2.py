@@ -99,7 +99,7 @@ class Config:
     micro_batch_size: int = 64  # B, sequences per forward per process
     seq_len: int = 1024  # T, tokens per sequence
     total_batch_size: int = 524288  # tokens per optimizer step, 2**19 ~ 0.5M as in GPT-3 small
-    data_order: str = "sequential"  # build-nanogpt's; shuffled: each epoch new rows that start at a document
+    data_order: str = "shuffled"  # each epoch new rows packed from documents; sequential: build-nanogpt's
     # optimizer and schedule (linear warmup, cosine decay)
     optimizer: str = "adamw"  # adamw; muon: Muon for the blocks' matrices, AdamW for the rest
     max_steps: int = 19073  # optimizer steps: 10B tokens / 524288 tokens per step
@@ -132,7 +132,7 @@ class Config:
     tensorboard: bool = False  # every log.jsonl record as TensorBoard scalars in {out_dir}/tensorboard
     peak_flops: float = 0.0  # the device's peak FLOP/s, for MFU; 0: by GPU name (H100, H200, A100)
     # system
-    seed: int = 1337  # initial weights, dropout masks and samples derive from it
+    seed: int = 1337  # initial weights, dropout masks, samples and the shuffled order derive from it
     device: str = "auto"  # auto: cuda:LOCAL_RANK, else mps (single process), else cpu
     sharding: str = "ddp"  # ddp: replicas; zero2: shard optimizer state; fsdp: shard params too (FSDP2)
     bucket_cap_mb: int = 25  # ddp: gradients are all-reduced in buckets of this size
@@ -490,9 +490,9 @@ class DataLoader:
     """Yields (x, y) micro-batches of shape (B, T), int64, on `device`, from one split's shards.
     The shards of a split, in name order, form one token stream. In the sequential order, global
     micro-batch g covers tokens [g*B*T, g*B*T + B*T + 1) of it, wrapping at the end of an epoch. In
-    the shuffled order, it is rows g*B .. g*B + B - 1 of T + 1 tokens, each starting at a document's
-    <|endoftext|> (shards.DocumentRows), row r being row r % N of epoch r // N's permutation of the
-    N rows, drawn from (seed, epoch) alone. Each next_batch advances every rank by world_size
+    the shuffled order, it is rows g*B .. g*B + B - 1 of T + 1 tokens packed from the documents
+    (shards.DocumentRows), row r being row r % N of epoch r // N's permutation of the N rows, drawn
+    from (seed, epoch) alone. Each next_batch advances every rank by world_size
     micro-batches and rank r gets g + r, so the data each step sees does not depend on world_size.
     Each read checks that its shard is the file it was at the start (inode, size, mtime);
     `changed` names one that is not."""
@@ -514,33 +514,36 @@ class DataLoader:
         self.batch_index = 0  # global micro-batches consumed so far, the same on every rank
         self.ahead = None  # (batch_index, micro-batch) that prefetch() read
 
-    def read(self, start, n):
-        """Tokens [start, start + n) of the stream, crossing shard boundaries, as an (n,) uint16 array.
-        A shard is read with pread, so nothing stays memory-mapped (nanoGPT #287), once seen to be
-        the file it was at the start; one that is not (replaced, rewritten, cut short, gone or
-        unreadable) gives zeros, and `changed` names it."""
-        out = []
-        while n > 0:
-            i = int(np.searchsorted(self.starts, start, side="right")) - 1
-            take = min(n, int(self.starts[i + 1]) - start)
-            try:
-                if i not in self.opened:
-                    self.opened[i] = open(self.paths[i], "rb", buffering=0)
-                now = (os.stat(self.paths[i]), os.fstat(self.opened[i].fileno()))
-                if any(identity(st) != self.files[i] for st in now):
-                    raise OSError(errno.ESTALE, "replaced or rewritten")
-                tokens = pread_tokens(self.opened[i], start - int(self.starts[i]), take)
-                if len(tokens) < take:
-                    raise OSError(errno.EIO, "cut short")
-                out.append(tokens)
-            except OSError as e:  # every rank learns of it from the step's all-reduce
-                self.changed = self.changed or (
-                    f"shard {self.paths[i]} changed while this run read it ({e.strerror}): the run "
-                    f"stopped at its last step, saved, untrained on the change; restore the shard and "
-                    f"rerun to resume, or rerun with --allow_new_data=true to go on in the new shards")
-                out.append(np.zeros(take, dtype=np.uint16))
-            start, n = start + take, n - take
-        return np.concatenate(out)
+    def read(self, starts, n):
+        """Tokens [s, s + n) of the stream for each s of `starts`, crossing shard boundaries, as a
+        (len(starts), n) uint16 array. A shard is read with pread, so nothing stays memory-mapped
+        (nanoGPT #287), once seen to be the file it was at the start: its open file when opened, its
+        path once a call. One that is not (replaced, rewritten, cut short, gone or unreadable) gives
+        zeros, and `changed` names it."""
+        out, checked, bounds = np.zeros((len(starts), n), dtype="<u2"), {}, self.starts.tolist()
+        shards = (np.searchsorted(self.starts, starts, side="right") - 1).tolist()
+        for row, start, i in zip(out, np.asarray(starts).tolist(), shards):
+            done = 0
+            while done < n:
+                i += start + done == bounds[i + 1]  # the row goes on in the next shard
+                take = min(n - done, bounds[i + 1] - start - done)
+                try:
+                    if i not in checked:
+                        f = self.opened.get(i) or open(self.paths[i], "rb", buffering=0)
+                        now = [os.stat(self.paths[i])] + ([] if i in self.opened else [os.fstat(f.fileno())])
+                        if any(identity(st) != self.files[i] for st in now):
+                            raise OSError(errno.ESTALE, "replaced or rewritten")
+                        self.opened[i] = checked[i] = f
+                    if pread_tokens(checked[i], start + done - bounds[i], row[done:done + take]) < take:
+                        raise OSError(errno.EIO, "cut short")
+                except OSError as e:  # every rank learns of it from the step's all-reduce
+                    row[done:done + take] = 0  # a short read leaves what it read there
+                    self.changed = self.changed or (
+                        f"shard {self.paths[i]} changed while this run read it ({e.strerror}): the run "
+                        f"stopped at its last step, saved, untrained on the change; restore the shard and "
+                        f"rerun to resume, or rerun with --allow_new_data=true to go on in the new shards")
+                done += take
+        return out
 
     def raise_changed(self):
         """Raises UserError saying which shard changed, if one did."""
@@ -564,11 +567,11 @@ class DataLoader:
         """Global micro-batch g (wrapping at the end of the epoch) as (x, y)."""
         B, T = self.B, self.T
         if self.order == "shuffled":
-            buf = np.stack([self.read(start, T + 1) for start in self.rows.starts(g * B, B)])
+            buf = self.read(self.rows.starts(g * B, B), T + 1)
             x, y = (torch.from_numpy(buf[:, i:i + T].astype(np.int64)) for i in (0, 1))
         else:
-            buf = torch.from_numpy(self.read(g % self.batches_per_epoch * B * T, B * T + 1).astype(np.int64))
-            x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
+            buf = self.read([g % self.batches_per_epoch * B * T], B * T + 1)[0].astype(np.int64)
+            x, y = torch.from_numpy(buf[:-1]).view(B, T), torch.from_numpy(buf[1:]).view(B, T)
         if self.device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
                 self.device, non_blocking=True)
@@ -579,7 +582,8 @@ class DataLoader:
         the order, with the shuffled order's epoch and row in it: a run resumed with another
         micro_batch_size (same seq_len) reads the same sequences in each step."""
         rows = self.batch_index * self.B
-        epoch = {} if self.rows is None else {"epoch": rows // len(self.rows), "row": rows % len(self.rows)}
+        epoch = {} if self.rows is None else {"epoch": rows // len(self.rows), "row": rows % len(self.rows),
+                                              "packing": DocumentRows.PACKING}
         return {"tokens": rows * self.T, "data_order": self.order, **epoch,
                 "shards": [[p.name, int(n)] for p, n in zip(self.paths, np.diff(self.starts))]}
 
@@ -665,27 +669,42 @@ def sample_prompt(config):
 
 
 def make_loaders(config, rank, world_size, device):
-    """(config, train DataLoader, val DataLoader), every shard's token ids known to fit vocab_size; a
-    val_batches beyond the val split is lowered to all of it, with a line saying so, as is the run's
-    length in epochs. Raises UserError on every rank (a data_dir missing on one node stops all at
-    once), and for a shard that holds a token id the embedding lacks (another tokenizer's shards)
-    before the first step, not mid-run on the one rank that read it. A collective."""
+    """(config, train DataLoader, {log key: val DataLoader}), every shard's token ids known to fit
+    vocab_size. The val split is read in order (val_loss) and, in a shuffled run, also in rows as its
+    training reads (val_loss_rows). A val_batches beyond what either holds is lowered to it, with a
+    line saying so, as is the run's length in epochs (of rows in a shuffled run, with the shares of
+    the train tokens an epoch reads and reads twice, and a warning below half). Raises UserError on
+    every rank (a data_dir missing on one node stops all at once), and for a shard that holds a
+    token id the embedding lacks (another tokenizer's shards) before the first step, not mid-run on
+    the one rank that read it. A collective."""
+    shuffled = config.data_order == "shuffled"  # its runs are also evaluated on val rows, as they train
     loaders = agreed(lambda: [
         DataLoader(config.data_dir, split, config.micro_batch_size, config.seq_len, rank, world_size,
-                   device, config.dataset, config.data_order if split == "train" else "sequential",
-                   config.seed) for split in ("train", "val")])
-    fits = loaders[1].batches_per_epoch  # an evaluation that wrapped would count batches twice
+                   device, config.dataset, order, config.seed)
+        for split, order in [("train", config.data_order), ("val", "sequential"), ("val", "shuffled")][
+            :2 + shuffled]])
+    # an evaluation that wrapped would count batches twice
+    fits = min(v.batches_per_epoch if v.rows is None else len(v.rows) // v.B for v in loaders[1:])
     if config.eval_interval > 0 and config.val_batches > fits:
         log(f"val_batches={config.val_batches} is more than the val split holds: evaluating on all "
             f"{fits} micro-batches")
         config = dataclasses.replace(config, val_batches=fits)
     tokens, train_tokens = config.max_steps * config.total_batch_size, int(loaders[0].starts[-1])
+    rows = loaders[0].rows
+    epoch = f"{tokens / train_tokens:.1f} epochs of the {train_tokens:,} train tokens"
+    if shuffled:
+        epoch = (f"{tokens / len(rows) / config.seq_len:.1f} epochs of {len(rows):,} rows, each epoch "
+                 f"reading {rows.reads / train_tokens:.1%} of the {train_tokens:,} train tokens "
+                 f"({rows.twice / train_tokens:.1%} twice)")
     log(f"max_steps={config.max_steps} x {config.total_batch_size} tokens a step = {tokens:,} tokens: "
-        f"{tokens / train_tokens:.1f} epochs of the {train_tokens:,} train tokens")
-    paths = [path for loader in loaders for path in loader.paths]  # both splits in one scan
+        f"{epoch}")
+    if shuffled and rows.reads < train_tokens / 2:
+        log(f"warning: data_order=shuffled leaves most train tokens unread: its rows must each fit in "
+            f"a shard, and these shards are short for seq_len+1; pass --data_order=sequential")
+    paths = [path for loader in loaders[:2] for path in loader.paths]  # both splits in one scan
     check_token_ids(paths, config.vocab_size, Path(config.out_dir) / "token_ids.json", rank,
                     world_size, lambda values: all_reduce_max(values, device))
-    return config, *loaders
+    return config, loaders[0], dict(zip(("val_loss", "val_loss_rows"), loaders[1:]))
 
 
 def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
@@ -719,6 +738,9 @@ def resume(config, raw_model, optimizer, scaler, train_loader, out, existing):
             raise UserError(f"checkpoint {path} read its data in data_order={saved['data_order']} at "
                             f"seq_len={saved['seq_len']}: resume with --data_order={saved['data_order']} "
                             f"--seq_len={saved['seq_len']}, or {new_run}")
+        if config.data_order == "shuffled" and ckpt["loader"].get("packing") != DocumentRows.PACKING:
+            raise UserError(f"checkpoint {path} read rows packed the way of an older version of this "
+                            f"repository, not packing {DocumentRows.PACKING}'s: {new_run}")
         then, now = ckpt["loader"]["shards"], train_loader.state_dict()["shards"]
         if then != now and not config.allow_new_data:  # the saved position would point elsewhere
             was, is_now = next((a, b) for a, b in zip(then + [None], now + [None]) if a != b)
@@ -899,7 +921,7 @@ def train(config, rank, world_size, device):
                master_only=True))
     prompt = sample_prompt(config)
     hellaswag_examples = agreed(lambda: hellaswag.examples_for_training(config))
-    config, train_loader, val_loader = make_loaders(config, rank, world_size, device)
+    config, train_loader, val_loaders = make_loaders(config, rank, world_size, device)
 
     autocast = precision.autocast(config.dtype, device)
     log(choose_attention(config, device, precision.DTYPES[config.dtype]))
@@ -922,9 +944,10 @@ def train(config, rank, world_size, device):
         measure = (not stop or last_step) and (step > start_step or not evaluated)
         try:
             if measure and every(config.eval_interval, step, config):
-                val_loss = evaluate(raw_model, val_loader, config.val_batches, autocast, sum_dtype,
-                                    stop_signals.check)
-                metrics.evaluation(step, {"val_loss": val_loss}, f"val loss {val_loss:.4f}")
+                val = {key: evaluate(raw_model, loader, config.val_batches, autocast, sum_dtype,
+                                     stop_signals.check) for key, loader in val_loaders.items()}
+                metrics.evaluation(step, val, " | ".join(f"{key.replace('_', ' ')} {v:.4f}"
+                                                         for key, v in val.items()))
             if measure and every(config.hellaswag_interval, step, config):
                 result = hellaswag.evaluate(raw_model, hellaswag_examples, device, rank, world_size,
                                             autocast, stop_signals.check)
@@ -943,7 +966,7 @@ def train(config, rank, world_size, device):
             last_saved = save_checkpoint(out, step, raw_model, optimizer, scaler, config, train_loader,
                                          measure)
         if stop:
-            agreed(val_loader.raise_changed)  # what stopped an evaluation may be a val shard
+            agreed(lambda: [v.raise_changed() for v in val_loaders.values()])  # a val shard may have changed
             log(stopped_line(stop_signals.first(), step, start_step))
         if stop or last_step:
             break

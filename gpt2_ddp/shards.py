@@ -53,11 +53,10 @@ def read_tokens(path):
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4)
 
 
-def pread_tokens(f, start, n):
-    """Tokens [start, start + n) of the open shard `f`, by pread: an (n,) uint16 array, cut at its end
-    (a file cut to an odd size under the reader loses the half token)."""
-    data = os.pread(f.fileno(), 2 * n, HEADER_INTS * 4 + 2 * start)
-    return np.frombuffer(data[:len(data) - len(data) % 2], dtype="<u2")
+def pread_tokens(f, start, out):
+    """Reads tokens [start, start + len(out)) of the open shard `f` into `out`, a contiguous "<u2" array,
+    by one preadv; returns how many whole tokens it read (fewer where the file ends)."""
+    return os.preadv(f.fileno(), [out], HEADER_INTS * 4 + 2 * start) // 2
 
 
 def read_shard_header(path):
@@ -233,7 +232,8 @@ def max_token_ids(paths, cache_path, rank, world_size, reduce_max):
 
 def _recorded_maxima(paths, cache):
     """{path: largest token id} for the shards of `paths` that an entry of a manifest beside them
-    (by file name) or of `cache` (by resolved path) describes: same size and mtime."""
+    (by file name), of `cache` (by resolved path) or a shard's docs_index describes: same size and
+    mtime."""
     listed = {}
     for manifest in {m for d in {p.parent for p in paths} for m in d.glob("*_manifest.json")}:
         entries = read_json(manifest, lambda m: {manifest.parent / e["file"]: e for e in m["shards"]})
@@ -241,7 +241,10 @@ def _recorded_maxima(paths, cache):
     known = {}
     for path in paths:
         st = path.stat()
-        for entry in (listed.get(path), cache.get(str(path.resolve()))):
+        index = docs_index(path, st)  # the shuffled order's scan records it too
+        for entry in (listed.get(path), cache.get(str(path.resolve())),
+                      None if index is None else {"max_token_id": int(index[3]), "bytes": st.st_size,
+                                                  "mtime_ns": st.st_mtime_ns}):
             if isinstance(entry, dict) and type(entry.get("max_token_id")) is int \
                     and entry["max_token_id"] >= 0 \
                     and (entry.get("bytes"), entry.get("mtime_ns")) == (st.st_size, st.st_mtime_ns):
@@ -260,57 +263,80 @@ def check_token_ids(paths, vocab_size, cache_path, rank, world_size, reduce_max)
                             f"vocab_size")
 
 
+DOCS_INDEX = 2  # the format of .docs.npy: [2, shard bytes, mtime_ns, largest token id, starts...]
+
+
+def docs_index(path, st):
+    """The .docs.npy array beside the shard `path` (memory-mapped) while it describes the shard as
+    os.stat gives it (st), else None."""
+    try:
+        saved = np.load(path.with_name(f".{path.name}.docs.npy"), mmap_mode="r")
+        return saved if saved[:3].tolist() == [DOCS_INDEX, st.st_size, st.st_mtime_ns] else None
+    except (OSError, ValueError, EOFError, IndexError):
+        return None  # none yet, or not one of ours: made again
+
+
 def document_starts(path, token):
     """The offsets in the shard `path` of its `token`s, where its documents start: a (D,) int64 array. Kept
-    beside the shard in .{name}.docs.npy, which counts while the shard's size and mtime are the ones it
-    records; the first run to need it makes it, in memory alone if the directory is read-only."""
+    beside the shard in .{name}.docs.npy (docs_index) with the shard's largest token id, so that the
+    one scan serves check_token_ids too; the first run to need it makes it, in memory alone if the
+    directory is read-only."""
     path, st = Path(path), os.stat(path)
-    cache = path.with_name(f".{path.name}.docs.npy")
-    try:
-        saved = np.load(cache)
-        if saved[:2].tolist() == [st.st_size, st.st_mtime_ns]:
-            return saved[2:]
-    except (OSError, ValueError, EOFError, IndexError):
-        pass  # none yet, or not one of ours: made again
+    saved = docs_index(path, st)
+    if saved is not None:
+        return np.array(saved[4:])
     tokens, chunk = read_tokens(path), 1 << 24
-    starts = np.concatenate([[st.st_size, st.st_mtime_ns]] + [
+    starts = np.concatenate([[DOCS_INDEX, st.st_size, st.st_mtime_ns, tokens.max(initial=0)]] + [
         np.flatnonzero(tokens[i:i + chunk] == token) + i for i in range(0, len(tokens), chunk)])
+    cache = path.with_name(f".{path.name}.docs.npy")
     mine = cache.with_name(f"{cache.name}.{os.getpid()}")  # the ranks of a node may make it at once
     try:
         atomic_write(mine, lambda f: np.save(f, starts))
         os.replace(mine, cache)
     except OSError:
         pass  # only a cache: the next run scans the shard again
-    return starts[2:]
+    return starts[4:]
 
 
 class DocumentRows:
-    """The shuffled order's rows of a split: len() of them an epoch, each row_tokens long and starting at
-    a document's `token` (document_starts), greedily: in each shard the first document start, then the
-    first at least row_tokens - 1 tokens after the last row's start, each row fitting in its shard. The
-    tokens between a row's end and the next row's start are cropped (docs/data.md measures the share).
-    Row r is row r % len() of epoch r // len()'s permutation, drawn from (seed, epoch) alone; starts()
-    gives its offset in the stream of the shards `paths` of `sizes` tokens. Raises UserError, naming
-    `split` ("train split in DIR"), where the shards hold no such row."""
+    """The shuffled order's rows of a split: len() of them an epoch, each row_tokens = T + 1 long and
+    starting at a document's `token` (document_starts) or row_tokens, 2 row_tokens, ... into a
+    document longer than a row, a shard's first token counting as a document start (a document may
+    go on from the shard before). In each shard the first row starts at its first token, and each
+    next row at the last such start at most row_tokens after the row before's: short documents
+    are packed into a row in order, the head of a document that a row ends in is read again by the
+    next row from the document's start, and a long document is read whole, in pieces; each row fits
+    in its shard. `reads` counts the tokens rows hold, `twice` those two rows hold (docs/data.md
+    measures both). Row r is row r % len() of epoch r // len()'s permutation, drawn from (seed,
+    epoch) alone; starts() gives its offset in the stream of the shards `paths` of `sizes` tokens.
+    Raises UserError, naming `split` ("train split in DIR"), where the shards hold no such row."""
+    PACKING = 2  # checkpoints record it: rows packed another way are other rows
 
     def __init__(self, paths, sizes, row_tokens, token, seed, split):
-        rows, offset = [], 0
+        rows, offset, self.reads, self.twice = [], 0, 0, 0
         for path, size in tqdm(list(zip(paths, sizes)), "finding document starts", unit="shard", delay=1,
                                disable=int(os.environ.get("RANK", 0)) != 0):  # the first run over new shards
             docs = document_starts(path, token)
-            docs = docs[docs + row_tokens <= size]
-            following = np.searchsorted(docs, docs + row_tokens - 1).tolist()
-            chosen, i = [], 0
-            while i < len(docs):
-                chosen.append(i)
-                i = following[i]
-            rows.append(docs[chosen] + offset)
+            docs = np.concatenate([[0], docs[docs > 0]])  # a document may go on from the shard before
+            pieces = (np.append(docs[1:], size) - docs - 1) // row_tokens + 1  # row starts in each document
+            firsts = np.repeat(np.cumsum(pieces) - pieces, pieces)  # in order, as the documents are
+            starts = np.repeat(docs, pieces) + row_tokens * (np.arange(len(firsts)) - firsts)
+            starts = starts[starts + row_tokens <= size]
+            following = (np.searchsorted(starts, starts + row_tokens, side="right") - 1).tolist()
+            chosen, i = [0] if len(starts) else [], 0
+            while chosen and (j := following[i]) != i:
+                chosen.append(j)
+                i = j
+            rows.append(starts[chosen] + offset)
+            if chosen:  # consecutive rows touch or overlap, so they hold one span of the shard
+                self.reads += int(starts[i] - starts[0]) + row_tokens
+                self.twice += (len(chosen) - 1) * row_tokens - int(starts[i] - starts[0])
             offset += size
         self.rows, self.seed, self.epoch, self.order = np.concatenate(rows), seed, None, None
         if len(self.rows) == 0:
-            raise UserError(f"the {split} holds no row of seq_len+1 = {row_tokens} tokens that starts at "
-                            f"an <|endoftext|> (a document start) and fits in its shard (the longest "
-                            f"holds {max(sizes)} tokens): pass --data_order=sequential")
+            raise UserError(f"the {split} holds no row of seq_len+1 = {row_tokens} tokens, which must fit "
+                            f"in a shard (the longest holds {max(sizes)} tokens): pass "
+                            f"--data_order=sequential, or a lower seq_len")
 
     def __len__(self):
         return len(self.rows)

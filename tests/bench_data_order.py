@@ -1,10 +1,12 @@
 """
 The shuffled data order beside the sequential one on a data dir (docs/perf.md, docs/data.md): the
-one-time index of document starts, a loader's start-up, the memory its rows hold, the share of the
-train tokens an epoch reads, and the time per micro-batch. --tokens first writes that many tokens
-of synthetic documents there (lognormal lengths, each after an <|endoftext|>), once.
+one-time index of document starts, a loader's start-up, the memory its rows hold, the rows of an
+epoch and the shares of the train tokens it reads and reads twice, and the time per micro-batch.
+--tokens first writes that many tokens of synthetic documents there (lognormal lengths of mean
+--mean_document, or all of that length with --equal_documents, each after an <|endoftext|>), once.
 
     python -m tests.bench_data_order --data_dir /tmp/synthetic --tokens 1e9
+    python -m tests.bench_data_order --data_dir /tmp/books --tokens 3e5 --mean_document 25000 --equal_documents
     python -m tests.bench_data_order --data_dir data/tinyshakespeare --micro_batch_size 8 --seq_len 64
 """
 
@@ -22,17 +24,28 @@ from train_gpt2 import DataLoader
 SHARD_TOKENS = 100_000_000  # FineWeb-Edu's shards, as prepare_data.py writes them
 
 
-def write_documents(data_dir, tokens, mean_document):
-    """Writes a 1M-token val shard and train shards of SHARD_TOKENS up to `tokens`, where missing."""
+def write_documents(data_dir, tokens, mean_document, equal=False):
+    """Writes a val shard of a tenth of `tokens` (at most 1M) and train shards of SHARD_TOKENS (or
+    fewer, to `tokens`), where missing."""
     rng = np.random.default_rng(0)
-    for i, n in enumerate([1_000_000] + [SHARD_TOKENS] * -(-tokens // SHARD_TOKENS)):
+    sizes = [min(SHARD_TOKENS, tokens - start) for start in range(0, tokens, SHARD_TOKENS)]
+    for i, n in enumerate([min(1_000_000, tokens // 10)] + sizes):
         path = Path(data_dir) / f"synthetic_{'val' if i == 0 else 'train'}_{i:06d}.bin"
         if not path.exists():
             shard = rng.integers(0, EOT_TOKEN, n, dtype=np.uint16)
-            lengths = rng.lognormal(np.log(mean_document) - 0.5, 1.0, 4 * n // mean_document + 16)
+            count = n // mean_document + 1 if equal else 4 * n // mean_document + 16
+            lengths = np.full(count, mean_document) if equal else rng.lognormal(
+                np.log(mean_document) - 0.5, 1.0, count)
             starts = np.cumsum(np.maximum(lengths, 1).astype(np.int64))
             shard[np.concatenate([[0], starts[starts < n]])] = EOT_TOKEN
             write_shard(path, shard)
+
+
+def shares(loader):
+    """(rows an epoch, the share of the train tokens they hold, the share two of them hold) of a
+    shuffled DataLoader."""
+    tokens = int(loader.starts[-1])
+    return len(loader.rows), loader.rows.reads / tokens, loader.rows.twice / tokens
 
 
 def seconds(fn):
@@ -46,29 +59,30 @@ def main(argv):
     parser.add_argument("--data_dir", required=True, type=Path)
     parser.add_argument("--tokens", type=float, default=0, help="synthetic train tokens to write first")
     parser.add_argument("--mean_document", type=int, default=1000, help="tokens, FineWeb-Edu's mean")
+    parser.add_argument("--equal_documents", action="store_true", help="each --mean_document tokens long")
     parser.add_argument("--micro_batch_size", type=int, default=64)
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--micro_batches", type=int, default=500, help="timed per order")
     args = parser.parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     if args.tokens:
-        write_documents(args.data_dir, int(args.tokens), args.mean_document)
+        write_documents(args.data_dir, int(args.tokens), args.mean_document, args.equal_documents)
     cpu, B, T = torch.device("cpu"), args.micro_batch_size, args.seq_len
     for cache in args.data_dir.glob(".*.docs.npy"):
         cache.unlink()  # the one-time index is timed from scratch
     index_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order="shuffled"))[1]
-    print("| order | start-up (s) | index, once (s) | rows' memory (MB) | share read | ms/micro-batch |")
-    print("|---|---|---|---|---|---|")
+    print("| order | start-up (s) | index, once (s) | rows' memory (MB) | rows an epoch | share read | "
+          "share read twice | ms/micro-batch |")
+    print("|---|---|---|---|---|---|---|---|")
     for order in ("sequential", "shuffled"):
         loader, start_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order=order))
-        tokens = int(loader.starts[-1])
-        share = len(loader.rows) * T / tokens if order == "shuffled" else 1.0  # rows never overlap
+        rows, read, twice = shares(loader) if order == "shuffled" else (loader.batches_per_epoch * B, 1.0, 0.0)
         loader.next_batch()  # draws the first epoch's permutation
         memory = 2 * loader.rows.rows.nbytes / 1e6 if order == "shuffled" else 0.0  # rows, permutation
         batch_s = seconds(lambda: [loader.next_batch() for _ in range(args.micro_batches)])[1]
         once = f"{index_s:.2f}" if order == "shuffled" else "-"
-        print(f"| {order} | {start_s:.2f} | {once} | {memory:.1f} | "
-              f"{share:.1%} of {tokens:,} | {1e3 * batch_s / args.micro_batches:.3f} |")
+        print(f"| {order} | {start_s:.2f} | {once} | {memory:.1f} | {rows:,} | {read:.1%} of "
+              f"{int(loader.starts[-1]):,} | {twice:.1%} | {1e3 * batch_s / max(args.micro_batches, 1):.3f} |")
 
 
 if __name__ == "__main__":

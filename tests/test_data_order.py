@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+import bench_data_order
+
 from conftest import ROOT, TINY, compare, markov_tokens, read_log, run_training, train_here
 from gpt2_ddp import runs
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
 from gpt2_ddp.tokenizer import EOT_TOKEN
-from test_faults import children, wait_for_step
+from test_faults import children, rewrite_checkpoint, wait_for_step
 import train_gpt2
 from train_gpt2 import DataLoader, load_config
 
@@ -62,23 +64,35 @@ def test_a_micro_batch_across_an_epochs_end_holds_the_rows_of_both_epochs(tmp_pa
     assert together.tolist() == alone
 
 
-def test_each_epoch_is_a_new_order_of_the_same_rows_that_start_at_a_document(tmp_path):
+def packable(stream, bounds):
+    """Where a row of T + 1 tokens may start in `stream`, cut into shards at `bounds`: at a document's
+    start (or a shard's), or T + 1, 2 (T + 1), ... tokens into it, the row fitting in its shard."""
+    out = []
+    for first, end in zip(bounds[:-1], bounds[1:]):  # a shard's first token counts as a document start
+        docs = [int(first)] + [int(d) for d in np.flatnonzero(stream == EOT_TOKEN) if first < d < end]
+        out += [d + k * (T + 1) for d, after in zip(docs, docs[1:] + [end])
+                for k in range((after - d - 1) // (T + 1) + 1) if d + k * (T + 1) + T + 1 <= end]
+    return out
+
+
+def test_each_epoch_is_a_new_order_of_the_same_rows_packed_from_the_documents(tmp_path):
+    """In each shard the first row starts at its first token, each next one at the last
+    packable start (above) at most T + 1 tokens after the row before's (documents of 1 to 40 tokens,
+    T = 16: short ones packed in order, long ones cut into pieces)."""
     stream = write_documents(tmp_path)
     loader = shuffled(tmp_path)
     n = len(loader.rows)  # with B=1 an epoch is n micro-batches
     starts = sorted(loader.rows.starts(0, n))
-    assert all(stream[s] == EOT_TOKEN for s in starts)
     for first, end in zip(loader.starts[:-1], loader.starts[1:]):  # rows do not cross shards
-        fit = [d for d in np.flatnonzero(stream == EOT_TOKEN) if first <= d and d + T + 1 <= end]
+        allowed = packable(stream, [first, end])
         mine = [s for s in starts if first <= s < end]
-        assert mine[0] == fit[0] and mine[-1] + T + 1 <= end
-        for a, b in zip(mine, mine[1:]):  # the first document start that the row before leaves
-            assert b == next(d for d in fit if d >= a + T)
-    for g in range(2 * n):  # every row: T + 1 tokens of the stream from a document's start
+        assert mine[0] == allowed[0] and mine[-1] == max(a for a in allowed if a <= mine[-1] + T + 1)
+        for a, b in zip(mine, mine[1:]):
+            assert b == max(c for c in allowed if c <= a + T + 1)
+    for g in range(2 * n):  # every row: T + 1 tokens of the stream from its start
         x, y = loader.next_batch()
         s = loader.rows.starts(g, 1)[0]
         assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()
-        assert x[0, 0] == EOT_TOKEN
     loader.batch_index = 0
     first, second = rows(loader, n), rows(loader, n)
     assert first != second and sorted(first) == sorted(second)
@@ -101,21 +115,35 @@ def test_world_size_and_micro_batch_size_do_not_change_what_a_step_reads(tmp_pat
     assert rows(resumed, 1) == one[76:80]
 
 
-def test_a_runs_train_order_is_drawn_from_its_seed_and_its_val_split_read_in_order(tmp_path, capsys):
-    """make_loaders as a run calls it: the train rows of --seed's order, the val split sequential,
-    and val_batches lowered, with a line, only when above what the val split holds."""
+def test_a_runs_train_order_is_drawn_from_its_seed_and_its_val_split_read_both_ways(tmp_path, capsys):
+    """make_loaders as a run calls it: the train rows of --seed's order; the val split in order
+    (val_loss) and, as training reads, in rows (val_loss_rows); val_batches lowered, with a line,
+    only when above what either holds; the epochs line counts rows and the share they read."""
     write_documents(tmp_path)
     args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--seed=7"]
     config, train, val = train_gpt2.make_loaders(load_config([*args, "--val_batches=100000"]), 0, 1,
                                                  torch.device("cpu"))
-    n = len(train.rows)
+    n, rows = len(train.rows), train.rows
     assert train.rows.starts(0, n).tolist() == shuffled(tmp_path, seed=7).rows.starts(0, n).tolist()
-    assert val.order == "sequential" and val.rows is None
-    assert config.val_batches == val.batches_per_epoch
-    assert "is more than the val split holds" in capsys.readouterr().out
-    fits = load_config([*args, f"--val_batches={val.batches_per_epoch}"])
+    assert list(val) == ["val_loss", "val_loss_rows"] and val["val_loss"].rows is None
+    assert val["val_loss_rows"].rows.rows.tolist() == DataLoader(
+        tmp_path, "val", 1, T, 0, 1, torch.device("cpu"), order="shuffled").rows.rows.tolist()
+    fits = min(val["val_loss"].batches_per_epoch, len(val["val_loss_rows"].rows) // 2)
+    assert config.val_batches == fits
+    tokens = int(train.starts[-1])
+    assert capsys.readouterr().out.splitlines() == [
+        f"val_batches=100000 is more than the val split holds: evaluating on all {fits} micro-batches",
+        f"max_steps=16 x 128 tokens a step = 2,048 tokens: {2048 / (n * T):.1f} epochs of {n:,} rows, "
+        f"each epoch reading {rows.reads / tokens:.1%} of the {tokens:,} train tokens "
+        f"({rows.twice / tokens:.1%} twice)"]
+    fits = load_config([*args, f"--val_batches={fits}"])
     assert train_gpt2.make_loaders(fits, 0, 1, torch.device("cpu"))[0] == fits
     assert "is more than the val split holds" not in capsys.readouterr().out
+    config, train, val = train_gpt2.make_loaders(load_config([*args, "--data_order=sequential"]), 0, 1,
+                                                 torch.device("cpu"))
+    assert list(val) == ["val_loss"] and train.rows is None
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        f": {2048 / tokens:.1f} epochs of the {tokens:,} train tokens")
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +199,12 @@ def test_a_checkpoint_is_resumed_in_its_own_data_order(doc_data, doc_runs, tmp_p
         with pytest.raises(UserError) as refused:
             train_here([*args, f"--max_steps={STEPS + 1}", "--data_order=shuffled", "--seq_len=8"])
         assert str(refused.value) == f"checkpoint {ckpt} read its data in data_order={then} at seq_len=16: {again}"
-
+        rewrite_checkpoint(ckpt, lambda state: state["loader"].pop("packing"))  # an older version's rows
+        with pytest.raises(UserError) as refused:
+            train_here([*args, f"--max_steps={STEPS + 1}", "--data_order=shuffled"])
+        assert str(refused.value) == (
+            f"checkpoint {ckpt} read rows packed the way of an older version of this repository, not "
+            f"packing 2's: start a new run from its weights with --out_dir=NEW_DIR --init_from={tmp_path}")
 
 
 def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_shard(tmp_path,
@@ -189,9 +222,9 @@ def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_s
         assert rows(shuffled(tmp_path), 50) == rows(first, 50)
     write_documents(tmp_path, seed=1)  # new shards: their index is made again
     stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
-    assert all(stream[s] == EOT_TOKEN for s in shuffled(tmp_path).rows.starts(0, 50))
+    assert set(shuffled(tmp_path).rows.starts(0, 50)) <= set(packable(stream, shuffled(tmp_path).starts))
     assert rows(shuffled(tmp_path), 50) != rows(first, 50)
-    # the same size, the documents moved: an index that matched by size alone would start rows mid-document
+    # the same size, the documents moved: an index that matched by size alone would start rows elsewhere
     path = tmp_path / "docs_train_000001.bin"
     before, moved = path.stat(), np.roll(shards.read_tokens(path), 3)
     with open(path, "r+b") as f:
@@ -201,9 +234,55 @@ def test_the_document_index_is_made_once_beside_each_shard_and_again_for_a_new_s
     assert path.stat().st_size == before.st_size
     stream = np.concatenate([shards.read_tokens(p) for p in sorted(tmp_path.glob("docs_train_*.bin"))])
     loader = shuffled(tmp_path)
-    assert all(stream[s] == EOT_TOKEN for s in loader.rows.starts(0, len(loader.rows)))
+    assert set(loader.rows.starts(0, len(loader.rows))) <= set(packable(stream, loader.starts))
     (tmp_path / ".docs_train_000001.bin.docs.npy").write_bytes(b"not an index")  # np.load: ValueError
     np.testing.assert_array_equal(shuffled(tmp_path).rows.rows, loader.rows.rows)
+
+
+def test_a_first_shuffled_run_scans_each_shard_once_for_its_rows_and_its_token_ids(tmp_path, monkeypatch):
+    """make_loaders on shards with no manifest, index or token id cache reads each shard once: the
+    scan that finds its document starts records its largest token id, which check_token_ids takes,
+    also to refuse a token id beyond vocab_size. An index of another format is made again."""
+    from gpt2_ddp import shards
+    write_documents(tmp_path)
+    reads = []
+    monkeypatch.setattr(shards, "read_tokens", lambda path, _f=shards.read_tokens: reads.append(path.name)
+                        or _f(path))
+    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]
+    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    assert sorted(reads) == sorted(p.name for p in tmp_path.glob("docs_*.bin"))
+    reads.clear()
+    shard = tmp_path / "docs_train_000001.bin"
+    with pytest.raises(UserError, match=f"^shard {shard} holds token id {EOT_TOKEN}, beyond vocab_size=50000"):
+        train_gpt2.make_loaders(load_config([*args, "--vocab_size=50000"]), 0, 1, torch.device("cpu"))
+    assert reads == []
+    st = shard.stat()  # the format before: [bytes, mtime_ns, starts...]
+    np.save(tmp_path / f".{shard.name}.docs.npy", np.array([st.st_size, st.st_mtime_ns, 0]))
+    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    assert reads == [shard.name]
+
+
+def test_docs_table_of_the_shares_an_epoch_reads_is_what_the_bench_computes(tmp_path):
+    """Each line of docs/data.md's table: the rows, share read and share read twice that
+    tests.bench_data_order gives for its corpus (made as the table says) and seq_len, at least 95%
+    read in every one."""
+    import prepare_data
+    text = (ROOT / "docs" / "data.md").read_text()
+    table = text[text.index("| corpus | seq_len | rows an epoch |"):].split("\n\n")[0].splitlines()[2:]
+    corpora = {"tiny": None, "12": (300_000, 25_000), "one": (300_000, 300_000), "lognormal": (10**7, 1000)}
+    for name, made in corpora.items():
+        (tmp_path / name).mkdir()
+        if made is None:
+            prepare_data.main(["--output_dir", str(tmp_path / name), "--workers", "1"])
+        else:
+            bench_data_order.write_documents(tmp_path / name, *made, equal=name != "lognormal")
+    assert len(table) == 12
+    for line in table:
+        corpus, seq_len, *figures = [cell.strip() for cell in line.strip("|").split("|")]
+        loader = DataLoader(tmp_path / corpus.split()[0], "train", 8, int(seq_len.split()[0]), 0, 1,
+                            torch.device("cpu"), order="shuffled")
+        rows, read, twice = bench_data_order.shares(loader)
+        assert figures == [f"{rows:,}", f"{read:.1%}", f"{twice:.1%}"] and read >= 0.95, line
 
 
 def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_path):
@@ -225,23 +304,25 @@ def test_a_row_that_ends_at_its_shards_end_is_read_and_one_past_it_is_not(tmp_pa
         assert x[0].tolist() == stream[s:s + T].tolist() and y[0].tolist() == stream[s + 1:s + T + 1].tolist()
 
 
-def test_a_split_with_no_row_at_a_document_start_names_the_sequential_order(tmp_path, monkeypatch):
-    """A shard whose only document starts fewer than T + 1 tokens before its end, then shards each
-    shorter than a row: the shuffled order has nothing to read, says how long the longest shard is,
-    and names the order that does. Its scan of the shards has a progress bar (shown after a second)."""
+def test_a_split_of_shards_shorter_than_a_row_names_the_sequential_order(tmp_path, monkeypatch):
+    """Shards each shorter than a row (by one token, or T long): the shuffled order has nothing to
+    read, says how long the longest shard is, and names the order that does; a shard with no
+    <|endoftext|> at all is read from its first token. The scan of the shards has a progress bar
+    (shown after a second)."""
     from gpt2_ddp import shards
     bars = []
     monkeypatch.setattr(shards, "tqdm", lambda *args, **kwargs: bars.append((args[1], kwargs["disable"])) or args[0])
-    tail_doc = np.concatenate([np.arange(3 * T), [EOT_TOKEN], np.arange(T - 1)])
-    write_shard(tmp_path / "docs_val_000000.bin", tail_doc)
-    for rank, shard, longest in ((0, tail_doc, 4 * T), (1, np.full(T, EOT_TOKEN), T)):
+    short = np.concatenate([np.arange(T - 1), [EOT_TOKEN]])
+    write_shard(tmp_path / "docs_val_000000.bin", short)
+    for rank, shard, longest in ((0, short, T), (1, np.full(T - 5, EOT_TOKEN), T - 5)):
         monkeypatch.setenv("RANK", str(rank))
         for name in ("docs_train_000001.bin", "docs_train_000002.bin"):
             write_shard(tmp_path / name, shard)
         with pytest.raises(UserError) as refused:
             shuffled(tmp_path)
         assert str(refused.value) == (
-            f"the train split in {tmp_path} holds no row of seq_len+1 = {T + 1} tokens that starts at an "
-            f"<|endoftext|> (a document start) and fits in its shard (the longest holds {longest} tokens): "
-            f"pass --data_order=sequential")
+            f"the train split in {tmp_path} holds no row of seq_len+1 = {T + 1} tokens, which must fit in a "
+            f"shard (the longest holds {longest} tokens): pass --data_order=sequential, or a lower seq_len")
     assert bars == [("finding document starts", False), ("finding document starts", True)]  # rank 0's alone
+    write_shard(tmp_path / "docs_train_000001.bin", np.arange(3 * T + 3))  # no document start at all
+    assert shuffled(tmp_path).rows.rows.tolist() == [0, T + 1, 2 * (T + 1)]

@@ -30,14 +30,15 @@ LINES = {
              r"dt: \d+\.\d\dms \| tok/sec: \d+\.\d\d( \| mfu: \d+\.\d%)?( \| eta \d+:\d\d:\d\d)?"
              r"( \| update skipped: (non-finite loss or gradient"
              r"|float16 overflow, loss scale halved to \d+))?",
-    "eval": r"step +\d+ \| val loss \d+\.\d{4}",
+    "eval": r"step +\d+ \| val loss \d+\.\d{4}( \| val loss rows \d+\.\d{4})?",
     "hellaswag": r"step +\d+ \| hellaswag acc_norm \d\.\d{4} \| acc \d\.\d{4} \| \d+ examples",
     "sample": r"sample at step \d+: ['\"].*",  # the text's repr, abridged in the docs
     "saved": r"saved \S+/ckpt_\d{7}\.pt",
     "batch": r"world_size \d+ \| device \S+ \| total batch \d+ tokens = \d+ x \d+ x \d+ x \d+ grad "
              r"accum steps",
     "dtype": r"dtype (bfloat16|float16 with loss scaling|float32): .+",
-    "epochs": r"max_steps=\d+ x \d+ tokens a step = [\d,]+ tokens: \d+\.\d epochs of the [\d,]+ train tokens",
+    "epochs": r"max_steps=\d+ x \d+ tokens a step = [\d,]+ tokens: \d+\.\d epochs of (the [\d,]+ train tokens|"
+              r"[\d,]+ rows, each epoch reading \d+\.\d% of the [\d,]+ train tokens \(\d+\.\d% twice\))",
     "attention": r"attention: [A-Z_]+, (torch's choice of kernel for \w+ \(sdpa_backend=auto\)"
                  r"|set by sdpa_backend=\w+(; torch.compile's caches off, as their keys ignore the kernel)?)",
 }
@@ -140,7 +141,7 @@ def test_the_docs_console_lines_have_the_shape_the_training_prints(tmp_path):
     make_shards(tmp_path / "data")
     proc = run_training([*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
                          "--max_steps=2", "--total_batch_size=64", "--sample_interval=2",
-                         "--vocab_size=50304"])
+                         "--vocab_size=50304", "--data_order=shuffled"])
     printed = {kind: [line for line in proc.stdout.splitlines() if re.fullmatch(shape, line)]
                for kind, shape in LINES.items() if kind != "hellaswag"}
     assert all(printed.values()), proc.stdout

@@ -379,7 +379,8 @@ def test_docs_own_text_path_runs_as_written_on_100_kb_and_says_what_it_chose(tmp
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "val_batches=64 is more than the val split holds: evaluating on all 5 micro-batches\n" in proc.stdout
-    assert "max_steps=3 x 2048 tokens a step = 6,144 tokens: 0.2 epochs of the 27,582 train tokens\n" in proc.stdout
+    assert ("max_steps=3 x 2048 tokens a step = 6,144 tokens: 0.2 epochs of 424 rows, each epoch reading 99.9% "
+            "of the 27,582 train tokens (0.0% twice)\n") in proc.stdout
     assert len(re.findall(r"^step +\d/3 \|.*\| eta \d+:\d\d:\d\d$", proc.stdout, re.M)) == 2
     assert re.search(r"^step +1/3 \|", proc.stdout, re.M) and not re.search(r"^step +1/3 .*eta", proc.stdout, re.M)
     assert [record["step"] for record in read_log(repo / "out" / "books")[1]] == [0, 3]

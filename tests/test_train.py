@@ -537,6 +537,43 @@ def test_a_shard_replaced_by_a_new_file_after_the_loader_opened_it_is_named_and_
         dl.raise_changed()
 
 
+def test_a_micro_batch_checks_each_shard_it_reads_once_and_an_open_file_when_opened(tmp_path, monkeypatch):
+    """A shuffled micro-batch of 8 rows over 2 shards stats each shard's path once, and each open
+    file only when it is opened; a sequential one (4 x 16 + 1 tokens) alike, within a shard or across."""
+    from gpt2_ddp.tokenizer import EOT_TOKEN
+    stream = make_shards(tmp_path, n_train=170, train_shards=2)
+    stream[::17] = EOT_TOKEN  # documents of T + 1 tokens: 5 rows a shard
+    write_shard(tmp_path / "tiny_train_000001.bin", stream[:85])
+    write_shard(tmp_path / "tiny_train_000002.bin", stream[85:])
+    calls = []
+    for name in ("stat", "fstat"):
+        monkeypatch.setattr(os, name, lambda path, _f=getattr(os, name), _name=name, **kwargs: (
+            calls.append(_name) if _name == "fstat" or str(path).endswith(".bin") else None)
+                            or _f(path, **kwargs))
+    shuffled = DataLoader(tmp_path, "train", 8, 16, 0, 1, torch.device("cpu"), order="shuffled")
+    assert [{int(s) // 85 for s in shuffled.rows.starts(g * 8, 8)} for g in (0, 1)] == [{0, 1}] * 2
+    sequential = DataLoader(tmp_path, "train", 4, 16, 0, 1, torch.device("cpu"))  # 65 tokens from 0, 64
+    for dl, counts in ((shuffled, [(2, 2), (2, 0)]), (sequential, [(1, 1), (2, 1), (1, 0)])):
+        for expected in counts:
+            calls.clear()
+            dl.next_batch()
+            assert (calls.count("stat"), calls.count("fstat")) == expected and dl.changed is None
+
+
+def test_a_val_shard_replaced_under_a_run_stops_it_with_one_line_naming_it(tmp_path, monkeypatch):
+    """A new file renamed over the val shard after the loaders opened it: the first evaluation stops
+    the run, which ends in the one line naming that shard, as for a train shard."""
+    from conftest import train_here
+    make_shards(tmp_path / "data")
+    val, make_loaders = tmp_path / "data" / "tiny_val_000000.bin", train_gpt2.make_loaders
+    monkeypatch.setattr(train_gpt2, "make_loaders", lambda *args: (make_loaders(*args), write_shard(
+        val, np.full(1000, 7)))[0])
+    with pytest.raises(UserError, match=f"^shard {val} changed while this run read it \\(replaced or "
+                                        f"rewritten\\): the run stopped at its last step"):
+        train_here([*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}",
+                    "--total_batch_size=32", "--max_steps=4"])
+
+
 def test_shards_linked_into_a_data_dir_are_read_through_their_links(tmp_path):
     """A data_dir of symlinks to shards kept elsewhere (a shared disk) is the shards it points to:
     read as they are, not taken for replaced files."""
@@ -550,9 +587,9 @@ def test_shards_linked_into_a_data_dir_are_read_through_their_links(tmp_path):
 
 
 def test_a_short_read_of_a_shard_is_named_in_one_line(tmp_path, monkeypatch):
-    """pread returning fewer bytes than asked (a shard cut short under the read, by a token or by
-    half of one) gives a whole micro-batch of zeros, in either order, and raise_changed names the
-    shard, rather than a micro-batch of the wrong shape or numpy's error."""
+    """preadv reading fewer bytes than asked (a shard cut short under the read, by a token or by
+    half of one) gives a whole micro-batch of zeros, not the part it read, in either order, and
+    raise_changed names the shard, rather than a micro-batch of the wrong shape or numpy's error."""
     from gpt2_ddp.tokenizer import EOT_TOKEN
     stream = make_shards(tmp_path, n_train=128, train_shards=2)
     for order, short in (("sequential", 2), ("shuffled", 2), ("shuffled", 1)):
@@ -562,8 +599,8 @@ def test_a_short_read_of_a_shard_is_named_in_one_line(tmp_path, monkeypatch):
             write_shard(tmp_path / "tiny_train_000002.bin", stream[68:])
         dl = DataLoader(tmp_path, "train", 2, 16, 0, 1, torch.device("cpu"), order=order)
         with monkeypatch.context() as patch:
-            pread = os.pread
-            patch.setattr(os, "pread", lambda fd, n, offset: pread(fd, n, offset)[:n - short])
+            preadv = os.preadv
+            patch.setattr(os, "preadv", lambda fd, buffers, offset: preadv(fd, buffers, offset) - short)
             x, y = dl.next_batch()
         assert x.shape == y.shape == (2, 16) and not x.any() and not y.any()
         with pytest.raises(UserError, match=f"^shard {tmp_path}/tiny_train_00000[12].bin changed while "

@@ -326,3 +326,19 @@ def test_a_split_of_shards_shorter_than_a_row_names_the_sequential_order(tmp_pat
     assert bars == [("finding document starts", False), ("finding document starts", True)]  # rank 0's alone
     write_shard(tmp_path / "docs_train_000001.bin", np.arange(3 * T + 3))  # no document start at all
     assert shuffled(tmp_path).rows.rows.tolist() == [0, T + 1, 2 * (T + 1)]
+
+
+def test_a_split_whose_rows_leave_most_tokens_unread_is_warned_of_in_one_line(tmp_path, capsys):
+    """A shard one row long beside three one token short of a row: an epoch reads 17 of 65 train
+    tokens, and the run says so in one line that names the sequential order."""
+    write_shard(tmp_path / "docs_val_000000.bin", np.full(T + 1, 7))
+    for i, n in enumerate([T + 1, T, T, T]):
+        write_shard(tmp_path / f"docs_train_{i + 1:06d}.bin", np.full(n, 7))
+    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--micro_batch_size=1",
+            "--total_batch_size=16", "--eval_interval=0"]
+    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "max_steps=16 x 16 tokens a step = 256 tokens: 16.0 epochs of 1 rows, each epoch reading 26.2% of "
+        "the 65 train tokens (0.0% twice)",
+        "warning: data_order=shuffled leaves most train tokens unread: its rows must each fit in a shard, "
+        "and these shards are short for seq_len+1; pass --data_order=sequential"]

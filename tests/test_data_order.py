@@ -139,6 +139,11 @@ def test_a_runs_train_order_is_drawn_from_its_seed_and_its_val_split_read_both_w
     fits = load_config([*args, f"--val_batches={fits}"])
     assert train_gpt2.make_loaders(fits, 0, 1, torch.device("cpu"))[0] == fits
     assert "is more than the val split holds" not in capsys.readouterr().out
+    val_docs = np.full(1000, 7)
+    val_docs[::T + 1] = EOT_TOKEN  # 58 rows that never overlap: fewer micro-batches than in order
+    write_shard(tmp_path / "docs_val_000000.bin", val_docs)
+    assert train_gpt2.make_loaders(load_config([*args, "--val_batches=100"]), 0, 1,
+                                   torch.device("cpu"))[0].val_batches == 58 // 2 < 999 // (2 * T)
     config, train, val = train_gpt2.make_loaders(load_config([*args, "--data_order=sequential"]), 0, 1,
                                                  torch.device("cpu"))
     assert list(val) == ["val_loss"] and train.rows is None

@@ -516,9 +516,9 @@ class DataLoader:
 
     def read(self, starts, n):
         """Tokens [s, s + n) of the stream for each s of `starts`, crossing shard boundaries, as a
-        (len(starts), n) uint16 array. A shard is read with pread, so nothing stays memory-mapped
-        (nanoGPT #287), once seen to be the file it was at the start: its open file when opened, its
-        path once a call. One that is not (replaced, rewritten, cut short, gone or unreadable) gives
+        (len(starts), n) uint16 array, each row read with one preadv (per shard it crosses), so nothing
+        stays memory-mapped (nanoGPT #287), once its shard is seen to be the file it was at the start:
+        its open file when opened, its path once a call. One that is not (replaced, rewritten, cut short, gone or unreadable) gives
         zeros, and `changed` names it."""
         out, checked, bounds = np.zeros((len(starts), n), dtype="<u2"), {}, self.starts.tolist()
         shards = (np.searchsorted(self.starts, starts, side="right") - 1).tolist()

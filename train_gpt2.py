@@ -518,8 +518,8 @@ class DataLoader:
         """Tokens [s, s + n) of the stream for each s of `starts`, crossing shard boundaries, as a
         (len(starts), n) uint16 array, each row read with one preadv (per shard it crosses), so nothing
         stays memory-mapped (nanoGPT #287), once its shard is seen to be the file it was at the start:
-        its open file when opened, its path once a call. One that is not (replaced, rewritten, cut short, gone or unreadable) gives
-        zeros, and `changed` names it."""
+        its open file when opened, its path once a call. One that is not (replaced, rewritten, cut
+        short, gone or unreadable) gives zeros, and `changed` names it."""
         out, checked, bounds = np.zeros((len(starts), n), dtype="<u2"), {}, self.starts.tolist()
         shards = (np.searchsorted(self.starts, starts, side="right") - 1).tolist()
         for row, start, i in zip(out, np.asarray(starts).tolist(), shards):

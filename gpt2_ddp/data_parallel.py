@@ -164,7 +164,7 @@ class ZeRO2(DataParallel):
         if self.world_size == 1:  # the sum of one rank's gradient is that gradient
             self.shards[p].grad, p.grad = grad.reshape(-1).float(), None
             return
-        reduced = torch.empty(self.shards[p].shape, dtype=grad.dtype, device=grad.device)
+        reduced = grad.new_empty(self.shards[p].shape)
         work = reduce_scatter_single(reduced, self.padded(grad), async_op=True)
         if not self.pending:  # the backward's first: wait for them all once it ends
             torch.autograd.Variable._execution_engine.queue_callback(self.wait_for_grads)

@@ -184,6 +184,16 @@ def test_a_reduce_scatter_or_all_gather_counts_its_whole_tensor_in_its_dtype():
     assert bench.comm_bytes(events) == (16 * 4 + 16 * 2) / bench.PROFILED_STEPS
 
 
+def test_an_all_reduce_counts_its_elements_at_the_dtype_the_backends_event_names():
+    """c10d's all-reduce event lacks the dtype: the backend's event of the same size gives it, so
+    exact_reduction's float64 sums count 8 bytes an element, float32 ones 4."""
+    events = [{"ph": "X", "name": "gloo:all_reduce", "args": {"Input Dims": [[12]], "Input type": ["double"]}},
+              {"ph": "X", "name": "c10d::allreduce_", "args": {"Input Dims": [[[3, 4]]], "Input type": [[]]}},
+              {"ph": "X", "name": "gloo:all_reduce", "args": {"Input Dims": [[5]], "Input type": ["float"]}},
+              {"ph": "X", "name": "c10d::allreduce_", "args": {"Input Dims": [[[5]]], "Input type": [[]]}}]
+    assert bench.comm_bytes(events) == (12 * 8 + 5 * 4) / bench.PROFILED_STEPS
+
+
 def test_the_time_split_is_per_step_and_the_wait_is_what_syncing_adds():
     """Each range's milliseconds over the profiled steps; a syncing micro-step's excess over a
     non-syncing one's is the all-reduce wait, and fwd_bwd keeps the rest."""

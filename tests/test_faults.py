@@ -1180,16 +1180,19 @@ def test_a_finetune_resumes_from_its_own_checkpoint_when_its_init_from_is_gone(g
 
 def test_a_second_lock_on_a_locked_out_dir_is_refused_until_the_first_is_released(tmp_path):
     """checkpoints.lock takes an exclusive lock: a second one on the same out_dir, even from this
-    process (flock locks belong to each open file), is refused in one line naming the holder, and
-    taken once the first is released; the one who takes it then is the only holder named."""
+    process (flock locks belong to each open file), is refused in one line naming the holder, with
+    its file closed, and taken once the first is released; the one who takes it then is the only
+    holder named."""
     out = tmp_path / "out"
     refused = pytest.raises(UserError, match="^" + re.escape(
         f"out_dir {out} is in use by another run (pid {os.getpid()} on {socket.gethostname()}); "
         f"wait for it to end, or pass another --out_dir") + "$")
     for _ in range(2):
         first = checkpoints.lock(out)
-        with refused:
+        open_files = len(os.listdir("/dev/fd"))
+        with refused:  # its traceback keeps the refused call's frame, and an unclosed file in it, alive
             checkpoints.lock(out)
+        assert len(os.listdir("/dev/fd")) == open_files
         first.close()
 
 

@@ -642,6 +642,31 @@ def test_loader_host_memory_stays_flat_as_the_shard_grows(tmp_path):
     assert growth[4 * 10**7] < 0.25 * 76, growth
 
 
+# run in a fresh process: the page faults of a second 128 MiB array after the first was freed
+FREED_MEMORY_FAULTS = """
+import resource, numpy as np, torch
+from train_gpt2 import Config, setup_distributed
+setup_distributed(Config(device="cpu"))
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    np.ones(1 << 24)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(faults())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_a_cpu_run_keeps_freed_memory_so_a_steps_tensors_fault_in_no_page_again():
+    """A CPU run's setup makes glibc keep freed blocks (docs/perf.md): a 128 MiB array allocated
+    again after it was freed page-faults in fewer pages than its 64 huge pages of 2 MiB, where
+    glibc's defaults unmap it and fault every page in again, each step."""
+    proc = subprocess.run([sys.executable, "-c", FREED_MEMORY_FAULTS], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) < 64, proc.stdout
+
+
 def corrupt_empty(path):
     path.write_bytes(b"")
 

@@ -8,8 +8,10 @@ epoch and the shares of the train tokens it reads and reads twice, and the time 
     python -m tests.bench_data_order --data_dir /tmp/synthetic --tokens 1e9
     python -m tests.bench_data_order --data_dir /tmp/books --tokens 3e5 --mean_document 25000 --equal_documents
     python -m tests.bench_data_order --data_dir data/tinyshakespeare --micro_batch_size 8 --seq_len 64
+    python -m tests.bench_data_order --data_dir /tmp/synthetic --parts
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from gpt2_ddp.configurator import ArgumentParser, run
-from gpt2_ddp.shards import write_shard
+from gpt2_ddp.device import keep_freed_cpu_memory
+from gpt2_ddp.shards import HEADER_INTS, write_shard
 from gpt2_ddp.tokenizer import EOT_TOKEN
 from train_gpt2 import DataLoader
 
@@ -54,6 +57,45 @@ def seconds(fn):
     return result, time.perf_counter() - start
 
 
+def parts(data_dir, B, T, micro_batches):
+    """Prints the microseconds of a micro-batch and of its parts in either order, timed as training
+    reads (each micro-batch dropped before the next; glibc keeps freed memory, as in train_gpt2.py),
+    the fastest of 5 passes over the first `micro_batches`: next_batch, its read (the shards' checks,
+    the preadv calls and the loop around them), the preadv calls alone (one a row, into one buffer,
+    on files opened before) and the os.stat of the shards a micro-batch reads."""
+    keep_freed_cpu_memory()
+    figures = {}
+    for order in ("sequential", "shuffled"):
+        loader = DataLoader(data_dir, "train", B, T, 0, 1, torch.device("cpu"), order=order)
+        if order == "shuffled":
+            starts, n = [loader.rows.starts(g * B, B).tolist() for g in range(micro_batches)], T + 1
+        else:
+            starts, n = [[g * B * T] for g in range(micro_batches)], B * T + 1
+        shards = [(np.searchsorted(loader.starts, rows, side="right") - 1).tolist() for rows in starts]
+        fds, buffer = [os.open(p, os.O_RDONLY) for p in loader.paths], np.zeros(B * (T + 1), dtype="<u2")
+        reads = [(fds[i], buffer[r * n:(r + 1) * n], HEADER_INTS * 4 + 2 * (s - int(loader.starts[i])))
+                 for rows, ids in zip(starts, shards) for r, (s, i) in enumerate(zip(rows, ids))]
+        paths = [loader.paths[i] for ids in shards for i in set(ids)]
+
+        def batches():
+            loader.batch_index = 0
+            for _ in range(micro_batches):
+                loader.next_batch()
+
+        def fastest(fn):
+            return min(seconds(fn)[1] for _ in range(5)) * 1e6 / micro_batches
+
+        figures[order] = [fastest(batches), fastest(lambda: [loader.read(rows, n) for rows in starts]),
+                          fastest(lambda: [os.preadv(fd, [out], offset) for fd, out, offset in reads]),
+                          fastest(lambda: [os.stat(p) for p in paths])]
+        for fd in fds:
+            os.close(fd)
+    print(f"| micro-batch {B} x {T}, us | sequential | shuffled |\n|---|---|---|")
+    for part, sequential, shuffled in zip(["next_batch", "read", "preadv alone", "os.stat of its shards"],
+                                          figures["sequential"], figures["shuffled"]):
+        print(f"| {part} | {sequential:.1f} | {shuffled:.1f} |")
+
+
 def main(argv):
     parser = ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--data_dir", required=True, type=Path)
@@ -63,11 +105,14 @@ def main(argv):
     parser.add_argument("--micro_batch_size", type=int, default=64)
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--micro_batches", type=int, default=500, help="timed per order")
+    parser.add_argument("--parts", action="store_true", help="time a micro-batch's parts, as training reads")
     args = parser.parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     if args.tokens:
         write_documents(args.data_dir, int(args.tokens), args.mean_document, args.equal_documents)
     cpu, B, T = torch.device("cpu"), args.micro_batch_size, args.seq_len
+    if args.parts:
+        return parts(args.data_dir, B, T, args.micro_batches)
     for cache in args.data_dir.glob(".*.docs.npy"):
         cache.unlink()  # the one-time index is timed from scratch
     index_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order="shuffled"))[1]

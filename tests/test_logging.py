@@ -289,6 +289,7 @@ def test_evaluations_show_a_progress_bar_on_a_terminal_alone(tmp_path, tiny_data
     assert not re.search(rb"(val loss|hellaswag): +100%[^\r\n]*\r?\n", output), output  # each bar cleared
     plain = run_training([*args, f"--out_dir={tmp_path / 'plain'}"])
     assert "%|" not in plain.stdout + plain.stderr
+    assert not (tmp_path / "plain" / "tensorboard").exists()  # TensorBoard and wandb are opt-in
 
 
 def test_only_rank_0_draws_the_evaluations_bars_on_the_terminal_all_ranks_share(tmp_path, tiny_data,

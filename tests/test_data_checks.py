@@ -15,8 +15,8 @@ import pytest
 import train_gpt2
 from conftest import ROOT, TINY, make_shards
 from gpt2_ddp.configurator import UserError
-from gpt2_ddp.shards import (check_token_ids, document_starts, max_token_ids, read_tokens, split_paths,
-                             write_shard)
+from gpt2_ddp.shards import (DocumentRows, check_token_ids, document_starts, max_token_ids, read_tokens,
+                             split_paths, write_shard)
 import prepare_data
 
 
@@ -243,6 +243,16 @@ def test_a_token_id_cache_that_cannot_be_written_or_read_is_skipped(tmp_path):
     (tmp_path / "ids.json").rmdir()
     (tmp_path / "ids.json").write_text("[]")  # JSON, but not the cache's object: read the shard
     assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
+
+
+def test_a_scan_shorter_than_a_second_shows_no_bar(tmp_path, capsys):
+    """The token-id check's and the document index's progress bars show once a scan has taken a
+    second (tqdm's delay): a run over small shards prints its own lines alone."""
+    shard = tmp_path / "t_train.bin"
+    write_shard(shard, [3, 9, 4, 9])
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
+    assert len(DocumentRows([shard], [4], 2, 9, 0, "train split")) == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path, monkeypatch):

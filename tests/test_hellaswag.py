@@ -189,6 +189,19 @@ def test_a_candidate_longer_than_block_size_keeps_its_ending_and_cuts_the_contex
         assert mask[row].tolist() == [0] * (block_size - len(end)) + [1] * len(end)
 
 
+def test_a_download_of_every_example_is_written_byte_for_byte_with_its_bar_at_100(tmp_path, monkeypatch,
+                                                                                    capsys):
+    """The whole validation split, from a stand-in URL, lands at `path` as it was served, and its
+    progress bar ends full."""
+    served = tmp_path / "served.jsonl"
+    served.write_text("".join(f'{{"ctx": "example {i}"}}\n' for i in range(hellaswag.VAL_EXAMPLES)))
+    monkeypatch.setattr(hellaswag, "URL", served.as_uri())
+    target = tmp_path / "data" / "hellaswag_val.jsonl"
+    hellaswag.download(target)
+    assert target.read_bytes() == served.read_bytes()
+    assert "100%" in capsys.readouterr().err
+
+
 def test_a_download_without_every_example_is_refused_and_leaves_no_file(tmp_path, monkeypatch):
     """A cut-short download would score a subset and report it as HellaSwag's validation accuracy."""
     short = tmp_path / "short.jsonl"

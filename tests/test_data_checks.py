@@ -245,6 +245,17 @@ def test_a_token_id_cache_that_cannot_be_written_or_read_is_skipped(tmp_path):
     assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [9]
 
 
+def test_a_cached_largest_token_id_of_0_is_read_from_the_cache(tmp_path, monkeypatch):
+    """A largest id of 0 (a shard of the token "!") is one like any other, not the mark of a shard
+    left unscanned: the next run takes it from the cache and reads no shard."""
+    from gpt2_ddp import shards
+    shard = tmp_path / "t_train.bin"
+    write_shard(shard, [0, 0, 0])
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [0]
+    monkeypatch.setattr(shards, "read_tokens", lambda path: pytest.fail(f"{path} scanned again"))
+    assert max_token_ids([shard], tmp_path / "ids.json", 0, 1, lambda values: values) == [0]
+
+
 def test_a_scan_shorter_than_a_second_shows_no_bar(tmp_path, capsys):
     """The token-id check's and the document index's progress bars show once a scan has taken a
     second (tqdm's delay): a run over small shards prints its own lines alone."""

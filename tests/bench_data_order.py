@@ -4,6 +4,7 @@ one-time index of document starts, a loader's start-up, the memory its rows hold
 epoch and the shares of the train tokens it reads and reads twice, and the time per micro-batch.
 --tokens first writes that many tokens of synthetic documents there (lognormal lengths of mean
 --mean_document, or all of that length with --equal_documents, each after an <|endoftext|>), once.
+--parts prints instead where a micro-batch's time goes in either order (parts()).
 
     python -m tests.bench_data_order --data_dir /tmp/synthetic --tokens 1e9
     python -m tests.bench_data_order --data_dir /tmp/books --tokens 3e5 --mean_document 25000 --equal_documents

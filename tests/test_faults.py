@@ -618,14 +618,16 @@ def test_a_state_with_one_non_finite_value_is_not_saved_and_the_error_says_why(t
 def test_a_checkpoint_changed_in_a_tensors_shape_dtype_or_name_or_in_a_value_fails_its_checksum(tmp_path):
     """The checksum covers each tensor's dtype and shape, not only its bytes, so a reshaped or
     reinterpreted tensor with the same bytes is damage, not a checkpoint to resume; and each key, so
-    a tensor under another name is too; and every value that is not a tensor (the step here)."""
+    a tensor under another name is too; and every value that is not a tensor (the step here), in
+    lists too (the loader's shards)."""
     path = checkpoints.path_of(tmp_path, 1)
     checkpoints.save(path, {"model": {"w": torch.zeros(4)}, "optimizer": {}, "config": {}, "step": 1,
-                            "loader": {}})
+                            "loader": {"shards": [["a_train.bin", 100]]}})
     for change in (lambda state: state["model"].update(w=state["model"]["w"].view(2, 2)),
                    lambda state: state["model"].update(w=state["model"]["w"].view(torch.int32)),
                    lambda state: state["model"].update(v=state["model"].pop("w")),
-                   lambda state: state.update(step=2)):
+                   lambda state: state.update(step=2),
+                   lambda state: state["loader"].update(shards=[["a_train.bin", 99]])):
         state = torch.load(path, weights_only=True)
         change(state)
         torch.save(state, tmp_path / "changed.pt")

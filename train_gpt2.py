@@ -500,7 +500,7 @@ class DataLoader:
     def __init__(self, data_dir, split, B, T, rank, world_size, device, dataset="", order="sequential",
                  seed=0):
         self.B, self.T, self.rank, self.world_size, self.device = B, T, rank, world_size, device
-        self.paths = split_paths(data_dir, split, dataset, required=True)
+        self.paths = split_paths(data_dir, split, dataset)
         sizes = [read_shard_header(p) for p in self.paths]
         self.files, self.opened, self.changed = [identity(os.stat(p)) for p in self.paths], {}, None
         self.starts = np.cumsum([0] + sizes)  # stream offset of each shard's first token

@@ -122,11 +122,11 @@ def shard_name(filename):
     return (match["dataset"], match["split"]) if match else None
 
 
-def split_paths(data_dir, split, dataset="", required=False):
+def split_paths(data_dir, split, dataset=""):
     """The paths of one split's shards in data_dir (as shard_name reads them), in name order: those
     of `dataset`, or of the only dataset there. Raises UserError when data_dir is a file, holds the
     shards of several datasets and `dataset` is empty, holds a stopped prepare_data.py run's commit
-    dir, or fails changed_shard, and, if `required`, when there are none, naming what makes them."""
+    dir, fails changed_shard, or holds none of them, naming then what makes them."""
     data_dir = Path(data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         raise UserError(f"data_dir {data_dir} is a file, not a directory of shards; pass the directory "
@@ -145,7 +145,7 @@ def split_paths(data_dir, split, dataset="", required=False):
         raise UserError(f"{changed}, so these are not the shards prepare_data.py made; rerun its "
                         f"command to make them again")
     paths = sorted(p for p, (d, s) in named.items() if s == split and (not dataset or d == dataset))
-    if required and not paths:
+    if not paths:
         name = dataset or data_dir.resolve().name
         missing = f"no {split} shards ({name}_{split}_NNNNNN.bin or llm.c's {name}_{split}.bin) in {data_dir}"
         if dataset and names and dataset not in names:

@@ -133,11 +133,11 @@ def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(t
     data = tmp_path / "data"
     prepare_data.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(data), "--workers", "1",
                        "--shard_size", "50", "--val_tokens", "50"])
-    train = split_paths(data, "train", required=True)
+    train = split_paths(data, "train")
     assert len(train) == 3
     shutil.copy(train[0], tmp_path / "copy.bin")
     shutil.copy(tmp_path / "copy.bin", train[0])  # the same bytes, a new mtime
-    assert split_paths(data, "train", "a", required=True) == train
+    assert split_paths(data, "train", "a") == train
     stray = data / "a_train_000009.bin"
     write_shard(stray, np.arange(50))
     assert refused(data, tmp_path / "out") == (
@@ -148,12 +148,12 @@ def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(t
     rerun = ", so these are not the shards prepare_data.py made; rerun its command to make them again"
     train[1].rename(tmp_path / "moved.bin")
     with pytest.raises(UserError, match=f"^{re.escape(f'{train[1]}, which a_manifest.json lists, is missing{rerun}')}$"):
-        split_paths(data, "val", required=True)
+        split_paths(data, "val")
     (tmp_path / "moved.bin").rename(train[1])
     listed = train[1].read_bytes()
     sized_over_header(train[1])
     with pytest.raises(UserError, match=f"^{train[1]} is 1126 bytes, not the 1124 a_manifest.json lists{rerun}$"):
-        split_paths(data, "train", required=True)
+        split_paths(data, "train")
     shorter = f"{train[1]} is 1122 bytes, not the 1124 a_manifest.json lists{rerun}"
     # cut short in place, then rewritten shorter with a header that agrees, which only the manifest tells
     for cut in (lambda: os.truncate(train[1], 1122),
@@ -161,9 +161,9 @@ def test_training_reads_only_the_shards_that_the_manifest_lists_at_their_sizes(t
         train[1].write_bytes(listed)
         cut()
         with pytest.raises(UserError, match=f"^{re.escape(shorter)}$"):
-            split_paths(data, "train", required=True)
+            split_paths(data, "train")
     (data / "a_manifest.json").unlink()
-    assert split_paths(data, "train", required=True) == train
+    assert split_paths(data, "train") == train
 
 
 def test_a_dataset_that_data_dir_lacks_is_named_with_those_it_holds(tmp_path):
@@ -172,7 +172,7 @@ def test_a_dataset_that_data_dir_lacks_is_named_with_those_it_holds(tmp_path):
     with pytest.raises(UserError, match=re.escape(
             f"no train shards (nomatch_train_NNNNNN.bin or llm.c's nomatch_train.bin) in {tmp_path}, which "
             f"holds the shards of books, tinyshakespeare: pass --dataset= one of them")):
-        split_paths(tmp_path, "train", "nomatch", required=True)
+        split_paths(tmp_path, "train", "nomatch")
 
 
 def test_the_advice_for_missing_shards_makes_them_where_data_dir_points_from_any_cwd(tmp_path, monkeypatch):
@@ -183,13 +183,13 @@ def test_the_advice_for_missing_shards_makes_them_where_data_dir_points_from_any
             f"make them with `python {ROOT}/prepare_data.py --input FILES --name books --output_dir "
             f"d/books`, then rerun `python {shlex.join(sys.argv)}`; or try the small CPU config: cd {ROOT} && "
             f"python prepare_data.py && python train_gpt2.py configs/shakespeare_cpu.toml")):
-        split_paths("d/books", "train", required=True)
+        split_paths("d/books", "train")
     with pytest.raises(UserError) as info:
-        split_paths("data/tinyshakespeare", "train", required=True)
+        split_paths("data/tinyshakespeare", "train")
     advice = re.search("make them with `python ([^`]*)`", str(info.value))[1]
     assert advice == f"{ROOT}/prepare_data.py --output_dir data/tinyshakespeare"
     subprocess.run([sys.executable, *advice.split(), "--workers", "2"], check=True, capture_output=True)
-    assert [p.name for p in split_paths("data/tinyshakespeare", "train", required=True)] == [
+    assert [p.name for p in split_paths("data/tinyshakespeare", "train")] == [
         "tinyshakespeare_train_000001.bin"]
 
 
@@ -205,7 +205,7 @@ def test_advice_to_rerun_is_in_the_form_the_user_launched(monkeypatch):
         with pytest.raises(UserError, match=re.escape(f"then rerun `{command} {shlex.join(sys.argv)}`; or try "
                                                       f"the small CPU config: python prepare_data.py && {command} "
                                                       f"train_gpt2.py configs/shakespeare_cpu.toml")):
-            split_paths(ROOT / "data" / "fineweb-edu-missing", "train", required=True)
+            split_paths(ROOT / "data" / "fineweb-edu-missing", "train")
 
 
 def test_a_token_id_equal_to_vocab_size_is_refused(tmp_path):

@@ -483,11 +483,11 @@ def test_a_run_killed_as_it_moves_its_shards_in_leaves_the_old_or_the_new_datase
         if kill_at == 0:
             shutil.rmtree(out_dir / ".partial")  # what the next run removes first
             assert shards() == old
-            assert len(split_paths(out_dir, "train", required=True)) == 4
+            assert len(split_paths(out_dir, "train")) == 4
             continue
         with pytest.raises(UserError, match=f"^{commit} holds shards that a stopped prepare_data.py run "
                                             f"was moving into {out_dir}; rerun that prepare_data.py"):
-            split_paths(out_dir, "train", required=True)
+            split_paths(out_dir, "train")
         capsys.readouterr()
         run(*common, "--shard_size", 3)  # finishes the move, and then has nothing to do
         assert capsys.readouterr().out.endswith("nothing to do\n") and shards() == new
@@ -536,7 +536,7 @@ def test_datasets_of_other_names_share_an_output_dir(tmp_path, capsys):
     assert names(out_dir) == a + other
     for dataset, files in [("a", a), ("other", other)]:
         for split in ("train", "val"):
-            assert split_paths(out_dir, split, dataset, required=True) == \
+            assert split_paths(out_dir, split, dataset) == \
                    [out_dir / f for f in files if f"_{split}_" in f]
     with pytest.raises(UserError, match="holds the shards of 2 datasets \\(a, other\\): pass --dataset=NAME"):
         split_paths(out_dir, "train")

@@ -113,7 +113,7 @@ def main(argv):
         write_documents(args.data_dir, int(args.tokens), args.mean_document, args.equal_documents)
     cpu, B, T = torch.device("cpu"), args.micro_batch_size, args.seq_len
     if args.parts:
-        return parts(args.data_dir, B, T, args.micro_batches)
+        return parts(args.data_dir, B, T, max(args.micro_batches, 1))
     for cache in args.data_dir.glob(".*.docs.npy"):
         cache.unlink()  # the one-time index is timed from scratch
     index_s = seconds(lambda: DataLoader(args.data_dir, "train", B, T, 0, 1, cpu, order="shuffled"))[1]

@@ -644,7 +644,7 @@ def test_loader_host_memory_stays_flat_as_the_shard_grows(tmp_path):
 
 # run in a fresh process: the page faults of a second 128 MiB array after the first was freed
 FREED_MEMORY_FAULTS = """
-import resource, numpy as np, torch
+import resource, numpy as np
 from train_gpt2 import Config, setup_distributed
 setup_distributed(Config(device="cpu"))
 def faults():

@@ -221,7 +221,8 @@ def test_a_python_that_cannot_run_or_import_torch_is_refused_before_any_run(tmp_
     with pytest.raises(UserError, match=f"^cannot run --python {missing}: No such file or directory$"):
         check_equivalence.main(["--world_sizes", "1", "--python", str(missing), f"--out_dir={tmp_path}"])
     broken = tmp_path / "python"  # its last line of stderr says why
-    broken.write_text("#!/bin/sh\necho Traceback >&2\necho 'ModuleNotFoundError: torch' >&2\nexit 1\n")
+    broken.write_text("#!/bin/sh\necho Traceback >&2\necho '  File \"<string>\", line 1' >&2\n"
+                      "echo 'ModuleNotFoundError: torch' >&2\nexit 1\n")
     broken.chmod(0o755)
     with pytest.raises(UserError, match=f"^{broken} cannot import torch \\(ModuleNotFoundError: torch\\): "
                                         f"install torch and requirements.txt into it$"):

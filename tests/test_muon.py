@@ -110,6 +110,17 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     check_muon_split(GPT(config), config)
 
 
+def test_the_chains_zero_grad_frees_every_gradient_as_torchs_optimizers_do():
+    """zero_grad() with no argument sets each parameter's grad to None (torch.optim.Optimizer's
+    default), for AdamW's parameters and Muon's alike."""
+    config = load_config([*MUON, "--n_layer=1"])
+    model = GPT(config)
+    optimizer = model.configure_optimizers(config, "cpu")
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_owners_split_the_newton_schulz_work_evenly():
     """GPT-2 124M's matrices (c_attn's as one, with q, k and v in it) over 8 ranks: each matrix, and
     nothing else, on one rank, the largest rank's share of Newton-Schulz's work within 10% of the

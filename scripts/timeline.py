@@ -79,6 +79,7 @@ def draw(traces, out, steps, title):
     """Writes the PNG `out` of traces ({rank: chrome trace}). Raises UserError without matplotlib."""
     plt = pyplot()
     from matplotlib.patches import Patch
+    from matplotlib.transforms import ScaledTranslation
     ranks = sorted(traces)
     fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(ranks)))
     labels = []
@@ -94,8 +95,9 @@ def draw(traces, out, steps, title):
     ax.set_xlabel("ms from the first profiled step")
     ax.set_title(title or f"{len(ranks)} rank(s), {steps} profiled step(s)")
     legend = {**COMPUTE, **COLLECTIVES}
+    below_x_label = ax.transAxes + ScaledTranslation(0, -0.5, fig.dpi_scale_trans)  # in inches: any height
     ax.legend(handles=[Patch(color=c, label=k.replace("_", "-")) for k, c in legend.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12),
+              loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below_x_label,
               ncol=len(legend), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     save_png(fig, out)

@@ -291,13 +291,19 @@ def test_a_gradient_norm_difference_alone_fails_check_equivalence_with_python(tm
     assert check_equivalence.main([*argv, "--tolerance=0.25"]) == 0
 
 
-def test_world_size_1_runs_as_plain_python_and_more_under_torchrun():
-    """runs.command: one process is `python train_gpt2.py`, two or torchrun=True go under torchrun."""
+def test_world_size_1_runs_as_plain_python_and_more_under_torchrun(tmp_path):
+    """runs.command: one process is `python train_gpt2.py`, two or torchrun=True go under torchrun;
+    runs.train launches what command() gives for its torchrun=."""
     script = str(ROOT / "train_gpt2.py")
     assert runs.command(["--max_steps=1"], 1) == [sys.executable, script, "--max_steps=1"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert runs.command(["--max_steps=1"], 2) == [*torchrun, "--nproc_per_node=2", script, "--max_steps=1"]
     assert runs.command([], 1, torchrun=True) == [*torchrun, "--nproc_per_node=1", script]
+    fake_python = tmp_path / "python"  # prints the arguments runs.train gives it
+    fake_python.write_text('#!/bin/sh\necho "$@"\n')
+    fake_python.chmod(0o755)
+    launched = runs.train([], python=str(fake_python), torchrun=True).stdout
+    assert launched == f"-m torch.distributed.run --standalone --nproc_per_node=1 {script}\n"
 
 
 def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsys):

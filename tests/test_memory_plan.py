@@ -87,7 +87,7 @@ def test_zero2_and_fsdp_plan_a_world_sizes_share_of_the_optimizer_state():
 
 def test_the_plan_above_one_rank_counts_ddps_buckets_and_fsdps_shards():
     """At world size 4: DDP's buckets add a copy of the gradients unless gradient_as_bucket_view;
-    fsdp keeps a quarter of exact_reduction's float64 sums, and in 16 bits its parameters' quarter
+    zero2 adds a quarter slice to both parameters and gradients; fsdp keeps a quarter of exact_reduction's float64 sums, and in 16 bits its parameters' quarter
     plus the all-gathered root and two blocks (one rank alone uses no DDP)."""
     model = meta_model(SMALL)
     counts = memory_plan.count(model, model.configure_optimizers(SMALL, "meta")) | {"activations": 0}
@@ -103,6 +103,7 @@ def test_the_plan_above_one_rank_counts_ddps_buckets_and_fsdps_shards():
     assert part("gradients") == 2 * P
     assert part("gradients", gradient_as_bucket_view=True) == P
     assert part("gradients", sharding="fsdp", exact_reduction=True) == 3 * P / 4
+    assert part("parameters", sharding="zero2") == part("gradients", sharding="zero2") == P + P / 4
     assert part("parameters", sharding="fsdp", dtype="bfloat16") == P / 4 + 2 * (root + 2 * block)
 
 

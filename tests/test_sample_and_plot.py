@@ -361,6 +361,23 @@ def test_timeline_draws_the_first_steps_profiled_steps(tmp_path, monkeypatch, ca
     assert capsys.readouterr().out == f"wrote {tmp_path / 'timeline.png'}\n" * 2
 
 
+def test_timelines_legend_names_every_kind_inside_the_figure(monkeypatch):
+    """The legend's row of compute and collective kinds lies below the x axis's label and wholly inside
+    the saved figure, for few ranks and for many (the figure's height grows with them)."""
+    step = {"ph": "X", "name": "ProfilerStep#0", "ts": 1000, "dur": 100}
+    figures = []
+    monkeypatch.setattr(timeline, "save_png", lambda fig, out: figures.append(fig))
+    for ranks in (1, 8):
+        timeline.draw({rank: {"traceEvents": [step]} for rank in range(ranks)}, "unused.png", 1, None)
+        figure = figures[-1]
+        figure.tight_layout()  # as save_png lays it out
+        figure.canvas.draw()
+        legend = figure.axes[0].get_legend()
+        assert len(legend.get_texts()) == len(timeline.COMPUTE) + len(timeline.COLLECTIVES)
+        box, label = legend.get_window_extent(), figure.axes[0].xaxis.label.get_window_extent()
+        assert 0 <= box.x0 < box.x1 <= figure.bbox.x1 and 0 <= box.y0 < box.y1 < label.y0, ranks
+
+
 def test_timeline_draws_the_gpus_ranges_where_the_trace_has_them():
     """A GPU's trace holds each range twice, as the CPU launched it and as the GPU ran it: the
     lanes show the GPU's, and the collectives are its NCCL kernels, not the CPU's calls of them."""

@@ -318,6 +318,27 @@ def test_a_run_past_its_timeout_is_killed_with_its_output_so_far(tmp_path, capsy
     assert capsys.readouterr().err == "fake: started\nfake: step     0 | loss 6.2\n"
 
 
+def test_a_stopped_command_that_ignores_sigterm_is_killed_after_the_grace(monkeypatch):
+    """A stop signal passes SIGTERM on to the command; one that ignores it is killed STOP_GRACE_S
+    later and reaped, so a stopped script never leaves it running."""
+    monkeypatch.setattr(runs, "STOP_GRACE_S", 0.5)
+    pids, unstopped = [], signal.getsignal(signal.SIGTERM)
+
+    def stop_once_started(line, from_stdout):  # the command has printed its pid: stop this process
+        pids.append(int(line))
+        deadline = time.monotonic() + 10
+        while signal.getsignal(signal.SIGTERM) == unstopped and time.monotonic() < deadline:
+            time.sleep(0.01)  # the reader can start before stream() sets its handler
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        runs.stream(["sh", "-c", 'trap "" TERM; echo $$; exec sleep 60'], stop_once_started)
+    assert info.value.code == 128 + signal.SIGTERM and time.monotonic() - start < 10
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no process, not even a zombie
+        os.kill(pids[0], 0)
+
+
 def test_a_run_killed_by_a_signal_is_a_failure_with_its_output(tmp_path):
     """A run that a signal ends (exit status -9 for SIGKILL, as the out-of-memory killer's) fails
     runs.train with its code and output, as a non-zero exit does; it is no success."""

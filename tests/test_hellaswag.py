@@ -98,8 +98,16 @@ def test_standalone_script_scores_a_model(gpt_tiny, examples_file):
     examples = hellaswag.render_all(hellaswag.load_examples(examples_file, 5), config.block_size,
                                     config.vocab_size)
     result = hellaswag.evaluate(model, examples, torch.device("cpu"))
-    assert proc.stdout.startswith(f"{gpt_tiny}: {hellaswag.summary(result)}\n")
+    assert proc.stdout == f"{gpt_tiny}: {hellaswag.summary(result)}\n"  # no reference for one's own model
     assert "5 examples" in proc.stdout
+
+
+def test_the_script_quotes_build_nanogpts_score_beside_gpt2s(gpt_tiny, examples_file, monkeypatch, capsys):
+    """For gpt2 (and gpt2-xl) the script prints, after its own score, the acc_norm build-nanogpt reports."""
+    tiny = GPT.from_pretrained(gpt_tiny)
+    monkeypatch.setattr(GPT, "from_pretrained", lambda source, device: tiny)  # offline: it stands in for gpt2
+    hellaswag_main(["gpt2", "--path", str(examples_file), "--examples", "2", "--device", "cpu"])
+    assert capsys.readouterr().out.splitlines()[1:] == ["build-nanogpt reports acc_norm 0.2955 for gpt2"]
 
 
 @pytest.mark.parametrize("damage, message", [

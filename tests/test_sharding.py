@@ -185,8 +185,9 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, 
     no_sync() leaves its gradient to accumulate, the synced one after it adds it in, and
     clip_grad_norm_ returns the norm of their sum as torch's does for a plain model (to float32
     rounding, 1e-5); the optimizer's step gives the plain AdamW's weights, its state_dict() holds
-    whole tensors as torch.optim's does, and load_state_dict() takes it back. zero2's one rank
-    steps its weights in place, with no reduce-scatter or all-gather."""
+    whole tensors as torch.optim's does, and load_state_dict() takes it back; zero_grad() frees every
+    gradient, zero2's slices' too. zero2's one rank steps its weights in place, with no
+    reduce-scatter or all-gather."""
     import torch.distributed as dist
 
     from gpt2_ddp import data_parallel
@@ -234,6 +235,7 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, 
         optimizer.zero_grad(set_to_none=True)
         optimizer.load_state_dict(saved)
         assert all(p.grad is None for p in raw.parameters())
+        assert all(p.grad is None for group in optimizer.param_groups for p in group["params"])  # zero2's slices
     finally:
         del model, optimizer
         gc.collect()  # as main() does: gloo aborts if work objects in reference cycles outlive the group

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 from transformers import GPT2LMHeadModel
 
-from conftest import ROOT, write_hellaswag
+from conftest import ROOT, matmul_precision_kept, write_hellaswag
 from gpt2_ddp import hellaswag, precision
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.tokenizer import gpt2_encoding
@@ -103,10 +103,14 @@ def test_standalone_script_scores_a_model(gpt_tiny, examples_file):
 
 
 def test_the_script_quotes_build_nanogpts_score_beside_gpt2s(gpt_tiny, examples_file, monkeypatch, capsys):
-    """For gpt2 (and gpt2-xl) the script prints, after its own score, the acc_norm build-nanogpt reports."""
+    """For gpt2 (and gpt2-xl) the script prints, after its own score, the acc_norm build-nanogpt reports;
+    it scores with TF32 matmuls, as build-nanogpt did."""
     tiny = GPT.from_pretrained(gpt_tiny)
     monkeypatch.setattr(GPT, "from_pretrained", lambda source, device: tiny)  # offline: it stands in for gpt2
-    hellaswag_main(["gpt2", "--path", str(examples_file), "--examples", "2", "--device", "cpu"])
+    with matmul_precision_kept():
+        torch.set_float32_matmul_precision("highest")
+        hellaswag_main(["gpt2", "--path", str(examples_file), "--examples", "2", "--device", "cpu"])
+        assert torch.get_float32_matmul_precision() == "high"
     assert capsys.readouterr().out.splitlines()[1:] == ["build-nanogpt reports acc_norm 0.2955 for gpt2"]
 
 

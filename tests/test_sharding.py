@@ -217,8 +217,7 @@ def test_each_swap_in_presents_ddps_interface_and_torch_optims(sharding, exact, 
                                               torch.device("cpu"))
         with model.no_sync():
             model(*batches[0])[1].backward()
-        model.require_backward_grad_sync = True
-        model(*batches[1])[1].backward()
+        model(*batches[1])[1].backward()  # synced, as DDP is unless told otherwise
         assert model.module is not None
         torch.testing.assert_close(model.clip_grad_norm_(raw.parameters(), 1e9), norm, rtol=1e-5,
                                    atol=0)

@@ -191,7 +191,8 @@ def test_exact_reduction_on_a_gpu_turns_on_deterministic_kernels_and_cublas_fixe
 def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(monkeypatch, two_gpus,
                                                                               kept_matmul_precision):
     """NCCL and CUDA calls that name no device use the current one, which must be the worker's own
-    (on a made-up machine of two GPUs, as rank 1 of 2)."""
+    (on a made-up machine of two GPUs, as rank 1 of 2); float32 matmuls run in TF32, as nanoGPT's."""
+    torch.set_float32_matmul_precision("highest")
     current, joined = [], []
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     monkeypatch.setattr(train_gpt2, "init_process_group",
@@ -204,6 +205,7 @@ def test_a_torchrun_worker_makes_the_gpu_of_its_local_rank_its_current_device(mo
     config = load_config([*TINY, "--device=cuda"])
     assert train_gpt2.setup_distributed(config) == (1, 2, torch.device("cuda:1"))
     assert current == [torch.device("cuda:1")] and joined == [("nccl", torch.device("cuda:1"))]
+    assert torch.get_float32_matmul_precision() == "high"
 
 
 def test_the_default_out_dir_is_one_git_ignores():

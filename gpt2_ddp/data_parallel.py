@@ -147,7 +147,7 @@ class ZeRO2(DataParallel):
 
     def gather(self, shard, like):
         """(work, whole): the all-gather launched of every rank's `shard` of a tensor shaped as `like`."""
-        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        full = shard.new_empty(shard.numel() * self.world_size)
         return all_gather_single(full, shard, async_op=True), full[:like.numel()].view_as(like)
 
     def reduce_scatter_grad(self, p):

@@ -269,7 +269,8 @@ def test_a_scan_shorter_than_a_second_shows_no_bar(tmp_path, capsys):
 def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path, monkeypatch):
     """max_token_ids at world size 2: shard i is scanned by rank i % 2 alone (-1 on the other), and
     the element-wise maximum of the two ranks' lists is every shard's largest token id. Rank 0
-    alone may show the scan's progress bar, as one bar per rank would interleave."""
+    alone may show the scan's progress bar, as one bar per rank would interleave, and alone writes
+    the cache, as the ranks share out_dir."""
     from gpt2_ddp import shards
     make_shards(tmp_path, train_shards=3)
     paths = sorted(tmp_path.glob("*.bin"))
@@ -287,3 +288,4 @@ def test_each_rank_scans_its_own_shards_for_token_ids(tmp_path, monkeypatch):
     assert [[i for i, v in enumerate(sent[r]) if v >= 0] for r in (0, 1)] == [[0, 2], [1, 3]]
     assert [max(a, b) for a, b in zip(sent[0], sent[1])] == [int(read_tokens(p).max()) for p in paths]
     assert shown == [False, True]  # ranks 1, then 0
+    assert [(tmp_path / f"cache{rank}.json").exists() for rank in (0, 1)] == [True, False]

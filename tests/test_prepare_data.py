@@ -142,7 +142,7 @@ def test_shards_get_the_mode_of_a_new_file(tmp_path, umask):
     assert (tmp_path / "x.bin").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-@pytest.mark.parametrize("tokens", [[1, -1], [65536], [0.5], [[1, 2]], 5])
+@pytest.mark.parametrize("tokens", [[1, -1], [65536], [0, 65536], [0.5], [[1, 2]], 5])
 def test_write_shard_rejects_bad_tokens(tmp_path, tokens):
     with pytest.raises(ValueError):
         write_shard(tmp_path / "x.bin", tokens)

@@ -102,11 +102,13 @@ def test_the_defaults_are_the_gpt2_124m_config_but_its_out_dir_prompt_and_hellas
     assert differ == {"out_dir", "sample_prompt", "hellaswag_interval"}
 
 
-def test_a_trace_and_the_loggers_beside_log_jsonl_are_off_unless_asked_for():
+def test_a_trace_the_loggers_beside_log_jsonl_and_float64_sums_are_off_unless_asked_for():
     """profile (a torch.profiler trace each rank writes, and its slower steps), tensorboard and
-    wandb_log are opt-in: a run with the defaults writes log.jsonl and its checkpoints alone."""
+    wandb_log are opt-in: a run with the defaults writes log.jsonl and its checkpoints alone. So is
+    exact_reduction: by default gradients are all-reduced in DDP's float32 buckets, the fast path."""
     config = load_config([])
     assert (config.profile, config.tensorboard, config.wandb_log) == (False, False, False)
+    assert not config.exact_reduction
 
 
 def test_a_sample_prompt_token_at_vocab_size_is_refused():

@@ -196,6 +196,27 @@ def test_resume_on_another_world_size_continues_bitwise_the_same_run(data_dir, u
     assert [e["val_loss"] for e in evals] == [e["val_loss"] for e in ref_evals]
 
 
+class PickledCall:
+    """Unpickled, it calls open(path, "w"): code a file can carry that weights_only loading refuses."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused_and_never_runs_it(tmp_path):
+    """A checkpoint someone else wrote may hold code: resuming (load) and reading the newest one's
+    shape (newest_config) refuse it without running it."""
+    ran = tmp_path / "the pickled code ran"
+    torch.save({"config": {"n_layer": 2}, "model": PickledCall(ran)}, tmp_path / "ckpt_0000001.pt")
+    assert checkpoints.newest_config(tmp_path) == {}
+    with pytest.raises(checkpoints.Unloadable, match="^UnpicklingError: Weights only load failed"):
+        checkpoints.load(tmp_path / "ckpt_0000001.pt")
+    assert not ran.exists()
+
+
 def test_checkpoints_are_kept_loaded_safely_and_checked(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--total_batch_size=64",
             "--max_steps=6", "--checkpoint_interval=1", "--keep_checkpoints=2"]

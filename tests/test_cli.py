@@ -374,17 +374,19 @@ def test_a_command_streamed_from_a_worker_thread_runs_with_no_signal_handlers():
 
 
 def test_a_torchrun_worker_but_local_rank_0_waits_to_be_stopped_after_an_error(monkeypatch):
-    """One error line a node: LOCAL_RANK 0 exits with it, the node's other workers wait to be stopped."""
+    """One error line a node: LOCAL_RANK 0 exits with it, the node's other workers wait to be stopped,
+    SIGTERM's default action back first (the training loop's handler would defer it past the wait)."""
     waits = []
-    monkeypatch.setattr(configurator.time, "sleep", waits.append)
-    monkeypatch.setattr(configurator.signal, "signal", lambda *args: None)  # pytest's SIGTERM kept
+    monkeypatch.setattr(configurator.time, "sleep", lambda seconds: waits.append(seconds))
+    monkeypatch.setattr(configurator.signal, "signal", lambda *args: waits.append(args))  # pytest's kept
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
 
     def main(argv):
         raise UserError("bad")
 
-    for local_rank, expected in (("1", [configurator.RANK_ERROR_WAIT_S]), ("0", [])):
+    stopped_then_wait = [(signal.SIGTERM, signal.SIG_DFL), configurator.RANK_ERROR_WAIT_S]
+    for local_rank, expected in (("1", stopped_then_wait), ("0", [])):
         waits.clear()
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         with pytest.raises(SystemExit) as exit_:

@@ -347,3 +347,15 @@ def test_a_split_whose_rows_leave_most_tokens_unread_is_warned_of_in_one_line(tm
         "the 65 train tokens (0.0% twice)",
         "warning: data_order=shuffled leaves most train tokens unread: its rows must each fit in a shard, "
         "and these shards are short for seq_len+1; pass --data_order=sequential"]
+
+
+@pytest.mark.parametrize("sizes, warned", [([T + 1, T, T], True), ([T + 1, T + 1, T, T, 2], False)])
+def test_the_unread_tokens_warning_starts_below_half_of_them(tmp_path, capsys, sizes, warned):
+    """An epoch that reads 17 of 49 train tokens is warned of; one that reads exactly half is not."""
+    write_shard(tmp_path / "docs_val_000000.bin", np.full(T + 1, 7))
+    for i, n in enumerate(sizes):
+        write_shard(tmp_path / f"docs_train_{i + 1:06d}.bin", np.full(n, 7))
+    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--micro_batch_size=1",
+            "--total_batch_size=16", "--eval_interval=0"]
+    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    assert ("warning: data_order=shuffled leaves most" in capsys.readouterr().out) == warned

@@ -149,6 +149,10 @@ def test_a_runs_train_order_is_drawn_from_its_seed_and_its_val_split_read_both_w
     assert list(val) == ["val_loss"] and train.rows is None
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         f": {2048 / tokens:.1f} epochs of the {tokens:,} train tokens")
+    for i in (1, 2):  # a train split of fewer micro-batches than the val split's: those bound nothing
+        write_shard(tmp_path / f"docs_train_{i:06d}.bin", val_docs[:100])
+    assert train_gpt2.make_loaders(load_config([*args, "--val_batches=100"]), 0, 1,
+                                   torch.device("cpu"))[0].val_batches == 58 // 2
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from gpt2_ddp import checkpoints, runs
 from gpt2_ddp.atomic import atomic_write
 from gpt2_ddp.configurator import UserError
 from gpt2_ddp.shards import write_shard
+import train_gpt2
 
 STEPS = 40
 # 8 micro-batches of 32 tokens per step; checkpoints every 5 steps; exact_reduction, so that runs
@@ -598,6 +599,22 @@ def test_a_stop_signal_during_an_evaluation_or_a_sample_is_answered_within_secon
         assert stdout.splitlines()[-1] == ("stopped by SIGTERM at step 0, before this run's first "
                                            "update: nothing new to save")
         assert not list(out.glob("ckpt_*")) and "val loss" not in stdout and "hellaswag" not in stdout
+
+
+def test_a_run_non_finite_from_its_first_update_ends_after_max_skipped_steps(tiny_data, tmp_path,
+                                                                                   monkeypatch):
+    """A fork whose loss is nan from the start has its first MAX_SKIPPED_STEPS updates skipped, not
+    one fewer, before the run ends in one line."""
+    forward = train_gpt2.GPT.forward
+
+    def nan_loss(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        return logits, None if loss is None else loss * float("nan")
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", nan_loss)
+    err = train_error(*SMALL[len(TINY):], f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'out'}",
+                      "--max_steps=20")
+    assert f"not finite in steps 1-{train_gpt2.MAX_SKIPPED_STEPS} (loss nan" in err
 
 
 @pytest.mark.compat

@@ -346,10 +346,14 @@ def test_the_eta_comes_from_steady_steps_and_a_slow_first_step_says_what_it_wait
 
 def test_the_first_step_after_a_resume_logs_the_optimizer_state_bytes():
     """A run resumed at step 10 logs rank 0's optimizer state bytes in step 11's record, as a fresh
-    run does in step 1's, and in no later record."""
+    run does in step 1's, and in no later record: AdamW's two float32 moments a parameter and its
+    float32 step count a tensor."""
     config = load_config([*TINY, "--max_steps=20"])
     model = GPT(config)
     optimizer = model.configure_optimizers(config, "cpu")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # AdamW makes its state in its first step
     records = []
     metrics = train_gpt2.Metrics(types.SimpleNamespace(log=records.append), config, 0, 1,
                                  torch.device("cpu"), model, 10)
@@ -357,7 +361,9 @@ def test_the_first_step_after_a_resume_logs_the_optimizer_state_bytes():
         metrics.train_step(step, 6.0, 1e-3, 1.0, time.time() - 0.5, optimizer, None, False, False)
     metrics.close()
     assert [record["step"] for record in records] == [11, 12]
-    assert "optimizer_state_bytes" in records[0] and "optimizer_state_bytes" not in records[1]
+    assert "optimizer_state_bytes" not in records[1]
+    params = list(model.parameters())
+    assert records[0]["optimizer_state_bytes"] == 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)
 
 
 def test_a_profiled_run_that_ends_inside_the_profilers_schedule_still_writes_its_trace(tmp_path):

@@ -387,7 +387,8 @@ def test_timeline_draws_the_gpus_ranges_where_the_trace_has_them():
     nccl = {"ph": "X", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", "cat": "kernel",
             "ts": 1200, "dur": 50}
     issued = {"ph": "X", "name": "c10d::allreduce_", "cat": "cpu_op", "ts": 1150, "dur": 5}  # the CPU's call
-    compute, comm = timeline.lanes({"traceEvents": [step, launched, ran, issued, nccl]}, 1)
+    recorded = {"ph": "X", "name": "nccl:all_reduce", "cat": "cpu_op", "ts": 1151, "dur": 3}  # and its record
+    compute, comm = timeline.lanes({"traceEvents": [step, launched, ran, issued, recorded, nccl]}, 1)
     assert compute == [("forward", pytest.approx(0.1), pytest.approx(0.08))]
     assert comm == [("all_reduce", pytest.approx(0.2), pytest.approx(0.05))]
 

@@ -642,10 +642,11 @@ def test_a_diverging_run_skips_its_non_finite_steps_and_keeps_every_good_checkpo
 
 
 def test_a_state_with_one_non_finite_value_is_not_saved_and_the_error_says_why(tmp_path):
-    """One NaN among finite weights is enough to refuse the save, so no diverged checkpoint is resumed from."""
+    """One NaN among finite weights, in one tensor among finite ones, is enough to refuse the save, so
+    no diverged checkpoint is resumed from."""
     path = checkpoints.path_of(tmp_path, 3)
-    state = {"model": {"w": torch.tensor([1.0, float("nan")])}, "optimizer": {}, "config": {}, "step": 3,
-             "loader": {}}
+    state = {"model": {"b": torch.ones(2), "w": torch.tensor([1.0, float("nan")])}, "optimizer": {},
+             "config": {}, "step": 3, "loader": {}}
     with pytest.raises(UserError, match=rf"^the weights or optimizer state hold non-finite values at step 3, so "
                                         rf"{path} was not saved and the last checkpoint is kept: the run "
                                         rf"diverged; lower --max_lr or --grad_clip and resume$"):

@@ -337,15 +337,21 @@ def test_a_split_of_shards_shorter_than_a_row_names_the_sequential_order(tmp_pat
     assert shuffled(tmp_path).rows.rows.tolist() == [0, T + 1, 2 * (T + 1)]
 
 
+def make_loaders_of_train_shards(data_dir, sizes):
+    """train_gpt2.make_loaders, as a run of 16 steps of one row calls it, over one val row and train
+    shards of `sizes` tokens, each token 7 (no document start: rows begin at each shard's start)."""
+    write_shard(data_dir / "docs_val_000000.bin", np.full(T + 1, 7))
+    for i, n in enumerate(sizes):
+        write_shard(data_dir / f"docs_train_{i + 1:06d}.bin", np.full(n, 7))
+    args = [*RUN, f"--data_dir={data_dir}", f"--out_dir={data_dir / 'out'}", "--micro_batch_size=1",
+            "--total_batch_size=16", "--eval_interval=0"]
+    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+
+
 def test_a_split_whose_rows_leave_most_tokens_unread_is_warned_of_in_one_line(tmp_path, capsys):
     """A shard one row long beside three one token short of a row: an epoch reads 17 of 65 train
     tokens, and the run says so in one line that names the sequential order."""
-    write_shard(tmp_path / "docs_val_000000.bin", np.full(T + 1, 7))
-    for i, n in enumerate([T + 1, T, T, T]):
-        write_shard(tmp_path / f"docs_train_{i + 1:06d}.bin", np.full(n, 7))
-    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--micro_batch_size=1",
-            "--total_batch_size=16", "--eval_interval=0"]
-    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    make_loaders_of_train_shards(tmp_path, [T + 1, T, T, T])
     assert capsys.readouterr().out.splitlines()[-2:] == [
         "max_steps=16 x 16 tokens a step = 256 tokens: 16.0 epochs of 1 rows, each epoch reading 26.2% of "
         "the 65 train tokens (0.0% twice)",
@@ -356,10 +362,5 @@ def test_a_split_whose_rows_leave_most_tokens_unread_is_warned_of_in_one_line(tm
 @pytest.mark.parametrize("sizes, warned", [([T + 1, T, T], True), ([T + 1, T + 1, T, T, 2], False)])
 def test_the_unread_tokens_warning_starts_below_half_of_them(tmp_path, capsys, sizes, warned):
     """An epoch that reads 17 of 49 train tokens is warned of; one that reads exactly half is not."""
-    write_shard(tmp_path / "docs_val_000000.bin", np.full(T + 1, 7))
-    for i, n in enumerate(sizes):
-        write_shard(tmp_path / f"docs_train_{i + 1:06d}.bin", np.full(n, 7))
-    args = [*RUN, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--micro_batch_size=1",
-            "--total_batch_size=16", "--eval_interval=0"]
-    train_gpt2.make_loaders(load_config(args), 0, 1, torch.device("cpu"))
+    make_loaders_of_train_shards(tmp_path, sizes)
     assert ("warning: data_order=shuffled leaves most" in capsys.readouterr().out) == warned

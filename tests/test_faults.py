@@ -831,7 +831,8 @@ def test_a_step_saved_before_its_evaluation_is_evaluated_by_the_resumed_run_and_
 def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_run, tmp_path):
     """A run holds an OS lock on its out_dir: a second run refuses in one line naming it. Under
     torchrun, an error that rank 0 alone finds (out_dir is a file) or that every rank finds (the
-    config) is one line from rank 0, and no rank prints a traceback."""
+    config, a shard's token ids that rank 1 alone reads) is one line from rank 0, and no rank prints a
+    traceback."""
     import fcntl
     out = tmp_path / "out"
     out.mkdir()
@@ -843,9 +844,15 @@ def test_one_run_per_out_dir_and_a_rank_0_error_is_one_line_under_torchrun(good_
     assert f"out_dir {out} is in use by another run (pid 12345 on elsewhere); wait for it" in err
     blocker = tmp_path / "file"
     blocker.write_text("")
+    ids = tmp_path / "ids"  # its second shard is scanned by rank 1 alone: the maximum must reach rank 0
+    make_shards(ids)
+    write_shard(ids / "tiny_train_000002.bin", np.full(2000, 50256))
     for bad, message in ([f"--out_dir={blocker}/out"], f"out_dir {blocker}/out is a file or lies inside "
                          f"one: pass a directory as --out_dir"), \
-                        (["--n_head=3", f"--out_dir={out}"], "n_embd=32 is not divisible by n_head=3"):
+                        (["--n_head=3", f"--out_dir={out}"], "n_embd=32 is not divisible by n_head=3"), \
+                        ([f"--data_dir={ids}", f"--out_dir={out}"], f"shard {ids}/tiny_train_000002.bin holds "
+                         f"token id 50256, beyond vocab_size=512: it was made with another tokenizer; remake "
+                         f"it with prepare_data.py or raise vocab_size"):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node=2", "train_gpt2.py", *TINY,
                                f"--data_dir={good_run / 'data'}", *bad],

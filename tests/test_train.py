@@ -393,11 +393,12 @@ def loader(data_dir, rank=0, world_size=1, B=2, T=16, split="train"):
     return DataLoader(data_dir, split, B, T, rank, world_size, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("n_train, batches", [(100, 6), (96, 5), (97, 6)])
+@pytest.mark.parametrize("n_train, batches", [(100, 6), (96, 5), (97, 6), (21, 1)])
 def test_loader_crosses_shard_boundaries_and_wraps(tmp_path, n_train, batches):
     """Micro-batches of the stream across its shards, each needing B*T+1 tokens, so a stream of an
     exact multiple of B*T (96 = 6 * 16) holds one micro-batch fewer than it has B*T's in it, and one
-    of 97 ends its last micro-batch at the stream's last token; the epoch then wraps to the first token."""
+    of 97 ends its last micro-batch at the stream's last token; the epoch then wraps to the first token.
+    Shards of 7 tokens, shorter than a row of 17, have a row that runs through all three."""
     stream = make_shards(tmp_path, n_train=n_train, train_shards=3)  # shards of about n_train / 3
     dl = loader(tmp_path, B=1, T=16)
     assert dl.batches_per_epoch == batches

@@ -124,6 +124,16 @@ def test_every_config_key_the_docs_set_exists():
     assert unknown == []
 
 
+def test_every_default_the_docs_state_is_the_configs():
+    """`key=value` followed by "the default" or "by default" in a doc: value is Config's default for key."""
+    defaults = {f.name: str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+                for f in dataclasses.fields(Config)}
+    stated = [(doc.name, key, value) for doc in DOCS for key, value in
+              re.findall(r"`([a-z]\w*)=([^`\s]+)`,? \(?(?:the|by) default", doc.read_text())]
+    assert len(stated) >= 4
+    assert [(doc, key, value) for doc, key, value in stated if defaults.get(key) != value] == []
+
+
 def test_every_repository_path_the_docs_name_exists():
     named = set()
     for doc in DOCS:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
-from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 import train_gpt2
 from conftest import (ROOT, TINY, make_shards, read_log, run_training, tied_names, train_here,
@@ -172,6 +172,10 @@ def test_finetune_then_export_round_trips_through_transformers(hf_tiny, tmp_path
     assert proc.returncode == 0, proc.stderr
     ours = GPT.from_pretrained(out_dir)
     exported = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    released = GPT2Config()  # transformers' defaults are GPT-2's released config
+    for key in ("activation_function", "n_inner", "layer_norm_epsilon", "initializer_range", "bos_token_id",
+                "eos_token_id", "tie_word_embeddings"):
+        assert getattr(exported.config, key) == getattr(released, key), key
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, _ = ours(idx)
@@ -403,6 +407,7 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(hf_tiny, tmp_path):
                                "not a GPT-2 config"),
     ({"n_layer": 2.0}, "config.json: n_layer is 2.0, a float, not a positive integer"),
     ({"n_head": True}, "config.json: n_head is true, a boolean, not a positive integer"),
+    ({"n_layer": "x" * 80}, f'config.json: n_layer is "{"x" * 49}, a string, not a positive integer'),
     ({"vocab_size": 0}, "config.json: vocab_size is 0, not a positive integer"),
     ({"n_head": 3}, "config.json: n_embd 32 is not a multiple of n_head 3"),
     ({"activation_function": "relu"}, "config.json: activation_function='relu', but train_gpt2.py's "

@@ -4,8 +4,10 @@ log HellaSwag, compared there with ==."""
 
 import json
 import re
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -240,6 +242,22 @@ def test_no_network_names_the_url_and_where_to_put_the_file(tmp_path, monkeypatc
                                         f"{target}"):
         hellaswag.download(target)
     assert not target.exists() and not list(target.parent.iterdir())  # no partial file left
+
+
+def test_a_server_that_never_answers_times_out_in_one_line(tmp_path, monkeypatch):
+    """The download asks urlopen for a timeout, so a stalled server ends in the one line, not a hang
+    (the test shortens the timeout to half a second)."""
+    server = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    real = urllib.request.urlopen
+
+    def urlopen(url, timeout=None):
+        assert timeout is not None, "no timeout: a stalled server hangs the download"
+        return real(url, timeout=0.5)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(hellaswag, "URL", f"http://127.0.0.1:{server.getsockname()[1]}/hellaswag_val.jsonl")
+    with server, pytest.raises(UserError, match=f"downloading it from {hellaswag.URL} failed \\(.*timed out"):
+        hellaswag.download(tmp_path / "hellaswag_val.jsonl")
 
 
 def test_training_downloads_a_missing_hellaswag_file_once_and_reads_a_present_one(tmp_path, monkeypatch):

@@ -116,6 +116,20 @@ def test_the_cpus_available_memory_counts_free_swap(monkeypatch):
         3072000000, "this machine has 2.9 GB available (memory and swap)")
 
 
+def test_a_gpus_free_memory_is_cudas_and_a_device_without_a_figure_gives_none(monkeypatch):
+    """CUDA's free memory on that GPU (asked without one, through a stand-in for mem_get_info); no
+    figure for MPS, nor for a CPU whose /proc/meminfo cannot be read."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(5.5 * 2**30), 80 * 2**30) if device ==
+                        torch.device("cuda", 1) else (0, 0))
+    assert memory_plan.available_bytes(torch.device("cuda", 1)) == (int(5.5 * 2**30), "cuda:1 has 5.5 GB free")
+    assert memory_plan.available_bytes(torch.device("mps")) is None
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(memory_plan, "open", unreadable, raising=False)
+    assert memory_plan.available_bytes(torch.device("cpu")) is None
+
+
 def test_a_first_trace_longer_than_the_second_is_traced_again(monkeypatch):
     """One-time work that only the first pass in a process records (torch's lazy setup) must not
     reach the activations: that pass is traced again, and gives what later passes give."""

@@ -309,6 +309,26 @@ def test_missing_text_field_is_an_error(tmp_path, ext, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_workers_keep_a_window_of_tasks_and_yield_every_batch_in_order():
+    """Two workers keep at most 2 * 2 + 1 tasks in flight, so memory stays flat: the first result
+    comes before the sixth document is read. Ten tasks of one document each come back all ten, in
+    input order, as one process gives them."""
+    parts, read = [(f"document {i}" * (i + 1), True) for i in range(10)], []
+
+    def reading():
+        for part in parts:
+            read.append(part)
+            yield part
+    tokenized = prepare_data._tokenized(reading(), 2, docs_per_task=1)
+    first = next(tokenized)
+    assert len(read) == 5
+    two = [first, *tokenized]
+    one = list(prepare_data._tokenized(iter(parts), 1, docs_per_task=1))
+    assert len(one) == len(two) == 10
+    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(one, two))
+    assert [a[1] for a in one] == [len(text) for text, _ in parts]
+
+
 def test_small_shards_and_multiple_workers_are_deterministic(tmp_path):
     text = TINYSHAKESPEARE_PATH.read_text(encoding="utf-8")[:20_000]
     paragraphs = text.split("\n\n")

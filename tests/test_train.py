@@ -84,6 +84,16 @@ def test_every_count_size_rate_and_interval_refuses_a_negative_value():
             load_config([f"--{key}=-1"])
 
 
+def test_the_closed_ends_of_each_range_load():
+    """collective_timeout_s from 1 to 1e8 s, a fraction from 0, a count that must be > 0 from 1 and
+    one that must be >= 0 from 0."""
+    assert load_config(["--collective_timeout_s=1"]).collective_timeout_s == 1
+    assert load_config(["--collective_timeout_s=100000000"]).collective_timeout_s == 10**8
+    assert load_config(["--dropout=0", "--beta1=0", "--beta2=0"]).dropout == 0
+    assert load_config(["--micro_batch_size=1", "--n_layer=1"]).micro_batch_size == 1
+    assert load_config(["--warmup_steps=0", "--keep_checkpoints=0", "--weight_decay=0"]).warmup_steps == 0
+
+
 def test_min_lr_equal_to_max_lr_is_a_constant_schedule():
     """min_lr may equal max_lr (only above it is refused): after warmup every step's lr is max_lr."""
     config = load_config(["--max_lr=1e-3", "--min_lr=1e-3", "--warmup_steps=2", "--max_steps=10"])

@@ -800,6 +800,30 @@ def test_only_the_runs_own_checkpoint_names_are_resumed_from_pruned_or_counted(g
     assert [p.name for p in checkpoints.listed(many)] == ["ckpt_9999999.pt", "ckpt_10000000.pt"]
 
 
+# a checkpoint of the current format (checkpoints.VERSION), written by this model at FORMAT_ARGS
+FORMAT_CHECKPOINT = ROOT / "tests" / "data" / f"ckpt_v{checkpoints.VERSION}.pt"
+FORMAT_ARGS = ["--n_layer=1", "--n_head=1", "--n_embd=8", "--block_size=8", "--vocab_size=64",
+               "--micro_batch_size=1", "--seq_len=8", "--total_batch_size=8", "--warmup_steps=0",
+               "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=1", "--compile=false",
+               "--data_order=sequential"]
+
+
+def test_a_checkpoint_of_this_format_saved_earlier_resumes(tmp_path):
+    """tests/data/ckpt_v{VERSION}.pt, saved by an earlier commit of this format, resumes here: a format
+    changed without raising checkpoints.VERSION, or VERSION raised with no change, fails here. After a
+    change of format, raise VERSION and make the file anew: FORMAT_CHECKPOINT=write pytest -k this_format."""
+    make_shards(tmp_path / "data", n_train=400, n_val=200, vocab=64)
+    args = [*FORMAT_ARGS, f"--data_dir={tmp_path / 'data'}"]
+    if os.environ.get("FORMAT_CHECKPOINT") == "write":
+        run_training([*args, f"--out_dir={tmp_path / 'made'}", "--max_steps=1"])
+        shutil.copy(tmp_path / "made" / "ckpt_0000001.pt", FORMAT_CHECKPOINT)
+    args.append(f"--out_dir={tmp_path / 'out'}")
+    (tmp_path / "out").mkdir()
+    shutil.copy(FORMAT_CHECKPOINT, tmp_path / "out" / "ckpt_0000001.pt")
+    out = run_training([*args, "--max_steps=2", "--allow_new_data=true"]).stdout
+    assert "resumed from" in out and [s["step"] for s in read_log(tmp_path / "out")[0]] == [2]
+
+
 def test_a_resume_names_the_schedule_it_changes_and_a_warmup_past_max_steps_is_warned(good_run, tmp_path):
     """Raising max_steps on a finished run, as its "complete" line advises, reshapes the cosine:
     one line names what changed and the next lr, before and after."""

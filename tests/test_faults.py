@@ -811,7 +811,7 @@ FORMAT_ARGS = ["--n_layer=1", "--n_head=1", "--n_embd=8", "--block_size=8", "--v
 def test_a_checkpoint_of_this_format_saved_earlier_resumes(tmp_path):
     """tests/data/ckpt_v{VERSION}.pt, saved by an earlier commit of this format, resumes here: a format
     changed without raising checkpoints.VERSION, or VERSION raised with no change, fails here. After a
-    change of format, raise VERSION and make the file anew: FORMAT_CHECKPOINT=write pytest -k this_format."""
+    change of format, raise VERSION and make the file anew, as docs/checkpoints.md says."""
     make_shards(tmp_path / "data", n_train=400, n_val=200, vocab=64)
     args = [*FORMAT_ARGS, f"--data_dir={tmp_path / 'data'}"]
     if os.environ.get("FORMAT_CHECKPOINT") == "write":

@@ -109,9 +109,8 @@ def test_the_plan_above_one_rank_counts_ddps_buckets_and_fsdps_shards():
 
 def test_the_cpus_available_memory_counts_free_swap(monkeypatch):
     """A model that fits in memory and swap together runs (slowly) rather than being refused."""
-    meminfo = {"/proc/meminfo": "MemTotal: 1000 kB\nMemAvailable: 300 kB\nSwapFree: 200 kB\n"}
+    meminfo = {"/proc/meminfo": "MemTotal: 4000000 kB\nMemAvailable: 2000000 kB\nSwapFree: 1000000 kB\n"}
     monkeypatch.setattr(memory_plan, "open", lambda path: io.StringIO(meminfo[path]), raising=False)
-    meminfo["/proc/meminfo"] = "MemAvailable: 2000000 kB\nSwapFree: 1000000 kB\n"
     assert memory_plan.available_bytes(torch.device("cpu")) == (
         3072000000, "this machine has 2.9 GB available (memory and swap)")
 
